@@ -359,9 +359,14 @@ class GRPOTrainer:
         self.should_stop = False    # set by a subclass's log() to end training early
         self.nonfinite_in_a_row = 0
 
-    # -- autocast for every model call when bf16 is on ------------------------------------------------
+    # -- autocast for every model call when bf16 is on; a clock that waits for the GPU -------------------
     def autocast(self):
         return torch.autocast(self.device.type, dtype=torch.bfloat16) if self.args.bf16 else nullcontext()
+
+    def clock(self):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
 
     # -- Sections 2-5 for one generation batch ---------------------------------------------------------
     def generation_batch_prompts(self, k):
@@ -378,7 +383,7 @@ class GRPOTrainer:
 
     def generate_and_score(self, k):
         """Generate, score and cache everything the μ optimizer steps of generation batch k need."""
-        args, t0 = self.args, time.perf_counter()
+        args, t0 = self.args, self.clock()
         rows = self.dataset.select(self.generation_batch_prompts(k)).to_dict()  # {column: [values]}
         prompts = rows["prompt"]
         prompt_ids, prompt_mask = tokenize_prompts(self.tokenizer, prompt_texts(self.tokenizer, prompts),
@@ -386,7 +391,7 @@ class GRPOTrainer:
         with self.autocast():
             prompt_ids, prompt_mask, completion_ids, mask = generate_completions(
                 self.model, self.tokenizer, prompt_ids.to(self.device), prompt_mask.to(self.device), args)
-        t_gen = time.perf_counter() - t0
+        t_gen = self.clock() - t0
 
         # Rewards: the reward functions see text, each prompt repeated G times next to its completions.
         G = args.num_generations
@@ -408,18 +413,18 @@ class GRPOTrainer:
 
         # Cached log-probs, once per generation batch: π_old only when μ > 1 (with μ = 1 the training
         # forward's own detached log-probs are π_old), π_ref only when β > 0.
-        t1 = time.perf_counter()
+        t1 = self.clock()
         if args.num_iterations > 1:
             batch["old_logps"] = self.batch_logps(self.model, batch)
         if args.beta > 0:
             batch["ref_logps"] = self.batch_logps(self.ref_model, batch)
         stats = {"reward": rewards.mean(), "reward_std": rewards.view(-1, G).std(1).mean(),
-                 "completion_length": mask.sum(1).float().mean(), "time_generate": t_gen,
-                 "time_logps": time.perf_counter() - t1}
+                 "completion_length": mask.sum(1).float().mean()}
         stats.update({f"rewards/{getattr(f, '__name__', i)}": rewards_per_func[:, i].nanmean()
                       for i, f in enumerate(self.reward_funcs)})
+        stats = {k: float(self.all_reduce(v.to(self.device))) / self.world_size for k, v in stats.items()}
         self.samples = list(zip(repeat(prompts), texts, rewards.tolist()))
-        return batch, stats
+        return batch, {**stats, "time_generate": t_gen, "time_logps": self.clock() - t1}
 
     @torch.no_grad()
     def batch_logps(self, model, batch):
@@ -435,19 +440,24 @@ class GRPOTrainer:
 
     # -- One optimizer step on the cached generation batch ---------------------------------------------
     def optimizer_step(self, batch):
-        args, t0 = self.args, time.perf_counter()
+        args = self.args
         sums = defaultdict(float)
         for mb in micro_batches(batch, args.per_device_train_batch_size):
+            t0 = self.clock()
             c = mb["completion_ids"].size(1)
             with self.autocast():
                 logps = per_token_logps(self.model, mb["input_ids"], mb["attention_mask"], c, args.temperature)
             old_logps = mb["old_logps"] if args.num_iterations > 1 else logps.detach()
             loss, stats = grpo_loss(logps, old_logps, mb.get("ref_logps"), mb["advantages"], mb["completion_mask"],
                                     args, batch["num_seqs"], batch["num_tokens"])
+            t1 = self.clock()
             loss.backward()
+            sums["time_forward"] += t1 - t0
+            sums["time_backward"] += self.clock() - t1
             sums["loss"] += loss.item()
             for k, v in stats.items():
                 sums[k] += v.item()
+        t2 = self.clock()
         # Data parallelism: each rank's loss was divided by the global normalizers, so the sum of the
         # ranks' gradients is the gradient of the whole step (this all-reduce is what DDP does).
         for p in self.model.parameters():
@@ -462,13 +472,15 @@ class GRPOTrainer:
             self.nonfinite_in_a_row += 1
             warnings.warn(f"step {self.step + 1}: non-finite loss or gradient norm ({grad_norm}); step skipped "
                           f"({self.nonfinite_in_a_row} in a row)", stacklevel=2)
+        sums["time_optimizer"] = self.clock() - t2
         self.optimizer.zero_grad(set_to_none=True)
         metrics = {k: float(self.all_reduce(torch.tensor(v, device=self.device))) for k, v in sums.items()}
         n_tok = float(batch["num_tokens"])
-        metrics.update(grad_norm=float(grad_norm),
+        metrics.update(grad_norm=float(grad_norm), learning_rate=self.scheduler.get_last_lr()[0],
                        clip_ratio_low=metrics.pop("clip_low") / n_tok, clip_ratio_high=metrics.pop("clip_high") / n_tok,
-                       nonfinite_steps=float(not torch.isfinite(grad_norm)), time_train=time.perf_counter() - t0,
-                       learning_rate=self.scheduler.get_last_lr()[0])
+                       nonfinite_steps=float(not torch.isfinite(grad_norm)))
+        for k in ("time_forward", "time_backward", "time_optimizer"):  # seconds on this rank, not summed
+            metrics[k] = sums[k]
         if "kl" in metrics:
             metrics["kl"] /= n_tok
         return metrics
@@ -487,12 +499,12 @@ class GRPOTrainer:
         try:
             while self.step < args.max_steps and not self.should_stop:
                 rng_at_step_start = rng_state()
-                if self.step % mu == 0:                                   # a new generation batch
-                    self.batch, self.batch_stats = self.generate_and_score(self.step // mu)
-                    for k, v in self.batch_stats.items():
-                        window[k].append(float(self.all_reduce(torch.as_tensor(v, device=self.device)))
-                                         / self.world_size)
-                for k, v in self.optimizer_step(self.batch).items():    # one of the μ steps
+                metrics = {"time_generate": 0.0, "time_logps": 0.0}  # stays 0 on the μ - 1 reuse steps
+                if self.step % mu == 0:                                    # a new generation batch
+                    self.batch, batch_stats = self.generate_and_score(self.step // mu)
+                    metrics.update(batch_stats)
+                metrics.update(self.optimizer_step(self.batch))           # one of the μ optimizer steps
+                for k, v in metrics.items():
                     window[k].append(v)
                 self.step += 1
                 if self.nonfinite_in_a_row >= 3:
@@ -548,7 +560,7 @@ class GRPOTrainer:
         state = {"step": self.step, "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
                  "rng": rng_state(),
                  "batch": self.batch if self.step % self.args.num_iterations else None,
-                 "batch_stats": getattr(self, "batch_stats", None), "samples": getattr(self, "samples", None),
+                 "samples": getattr(self, "samples", None),
                  "nonfinite_in_a_row": self.nonfinite_in_a_row, "shape": self.checkpoint_shape()}
         torch.save(state, os.path.join(tmp, "trainer_state.pt"))
         shutil.rmtree(final, ignore_errors=True)
@@ -581,7 +593,7 @@ class GRPOTrainer:
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.step, self.batch, self.nonfinite_in_a_row = state["step"], state["batch"], state["nonfinite_in_a_row"]
-        self.batch_stats, self.samples = state["batch_stats"], state["samples"]
+        self.samples = state["samples"]
         set_rng_state(state["rng"])
 
 
