@@ -184,14 +184,14 @@ def generate_completions(model, tokenizer, prompt_ids, prompt_mask, args):
 # ----------------------------------------------------------------------------------------------------
 # 3. Rewards and group-normalized advantages
 # ----------------------------------------------------------------------------------------------------
-def score_completions(reward_funcs, prompts, completions, columns):
-    """Call each reward function TRL-style, f(prompts=..., completions=..., **columns), and check what
-    it returns: one number (or None = "does not apply") per completion. Returns (N, F), NaN for None."""
+def score_completions(reward_funcs, prompts, completions, completion_ids, columns):
+    """Call each reward function TRL-style, f(prompts=..., completions=..., completion_ids=..., **columns),
+    and check what it returns: one number (or None = "does not apply") per completion. (N, F), NaN for None."""
     per_func = []
     for f in reward_funcs:
         name = getattr(f, "__name__", repr(f))
         try:
-            values = f(prompts=prompts, completions=completions, **columns)
+            values = f(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns)
         except Exception as e:
             raise RuntimeError(f"reward function {name!r} raised {type(e).__name__}: {e}") from e
         if not hasattr(values, "__len__") or len(values) != len(completions):
@@ -395,13 +395,13 @@ class GRPOTrainer:
 
         # Rewards: the reward functions see text, each prompt repeated G times next to its completions.
         G = args.num_generations
-        texts = self.tokenizer.batch_decode(completion_ids * mask + self.tokenizer.pad_token_id * (1 - mask),
-                                            skip_special_tokens=True)
+        ids = [row[:n].tolist() for row, n in zip(completion_ids, mask.sum(1))]  # each up to its first EOS
+        texts = self.tokenizer.batch_decode(ids, skip_special_tokens=True)
         conversational = not isinstance(prompts[0], str)
         completions = [[{"role": "assistant", "content": t}] for t in texts] if conversational else texts
         repeat = lambda xs: [x for x in xs for _ in range(G)]
         columns = {c: repeat(v) for c, v in rows.items() if c != "prompt"}
-        rewards_per_func = score_completions(self.reward_funcs, repeat(prompts), completions, columns)  # (N, F)
+        rewards_per_func = score_completions(self.reward_funcs, repeat(prompts), completions, ids, columns)  # (N, F)
         rewards = (rewards_per_func * self.reward_weights).nansum(1)                                   # (N,)
 
         batch = {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "completion_ids": completion_ids,

@@ -1,0 +1,478 @@
+"""The invariants of GRPO with μ-step optimization, as executable checks.
+
+Everything runs offline on a tiny Llama (2 layers, hidden size 32) and a byte-level BPE tokenizer
+trained here on a few sentences, so the whole file takes seconds on a CPU.
+"""
+
+import math
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from datasets import Dataset
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+import grpo_multistep as gm
+from grpo_multistep import GRPOConfig, GRPOTrainer, completion_mask, group_advantages, grpo_loss, per_token_logps
+
+torch.use_deterministic_algorithms(True)
+torch.set_num_threads(1)  # a 32-wide model gains nothing from threads, and loses a lot to a busy machine
+CORPUS = ["the cat sat on the mat", "a dog ran in the park", "hello world", "tl;dr: it was fine"] * 10
+PROMPTS = ["the cat", "a dog", "hello", "tl;dr:", "the park", "world", "it was", "on the mat"]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Tiny, deterministic building blocks
+# ---------------------------------------------------------------------------------------------------
+def make_tokenizer(pad_is_eos=False):
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(CORPUS, trainers.BpeTrainer(vocab_size=300, special_tokens=["<pad>", "<eos>"],
+                            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>",
+                                        pad_token="<eos>" if pad_is_eos else "<pad>")
+    tokenizer.chat_template = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                               "{% if add_generation_prompt %}assistant:{% endif %}")
+    return tokenizer
+
+
+def make_model(tokenizer, seed=0):
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, bos_token_id=None)
+    return LlamaForCausalLM(config)
+
+
+def short_is_good(completion_ids, **kwargs):
+    """A toy reward a random model can learn: the share of a completion's tokens with an id below 150."""
+    return [sum(t < 150 for t in ids) / max(len(ids), 1) for ids in completion_ids]
+
+
+def make_trainer(tmp_path, reward_funcs=short_is_good, dataset=None, tokenizer=None, model=None, **overrides):
+    tokenizer = tokenizer or make_tokenizer()
+    config = dict(output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, gradient_accumulation_steps=2,
+                  num_generations=4, max_prompt_length=16, max_completion_length=12, max_steps=2,
+                  learning_rate=1e-2, logging_steps=1, max_grad_norm=0.0, seed=0)
+    config.update(overrides)
+    dataset = dataset if dataset is not None else Dataset.from_dict({"prompt": PROMPTS})
+    return GRPOTrainer(model or make_model(tokenizer), reward_funcs, GRPOConfig(**config), dataset, tokenizer)
+
+
+def first_step_gradients(trainer):
+    """Run the trainer's first optimizer step and return the gradients it applied (clipping is off)."""
+    grads = []
+    trainer.optimizer.register_step_pre_hook(
+        lambda *_: grads.extend(p.grad.clone() for p in trainer.model.parameters()))
+    torch.manual_seed(trainer.args.seed)
+    trainer.batch, _ = trainer.generate_and_score(0)
+    trainer.optimizer_step(trainer.batch)
+    return grads
+
+
+# ---------------------------------------------------------------------------------------------------
+# The multi-step trick: μ = 1 is plain GRPO; μ > 1 starts from ratio 1; caches are computed once
+# ---------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "dr_grpo"])
+def test_mu1_gradient_equals_detached_ratio_gradient_exactly(tmp_path, loss_type):
+    """With μ = 1, old_logp = logp.detach(): the clipped loss's gradient is bit for bit that of the
+    single-step GRPO loss -exp(logp - logp.detach()) · A with the same reduction."""
+    trainer = make_trainer(tmp_path, loss_type=loss_type)
+    reference = make_trainer(tmp_path, loss_type=loss_type)  # same weights, same seed
+    grads = first_step_gradients(trainer)
+
+    batch, args = trainer.batch, reference.args
+    for mb in gm.micro_batches(batch, args.per_device_train_batch_size):
+        logps = per_token_logps(reference.model, mb["input_ids"], mb["attention_mask"],
+                                mb["completion_ids"].size(1), args.temperature)
+        per_token_loss = -torch.exp(logps - logps.detach()) * mb["advantages"][:, None]
+        mask = mb["completion_mask"]
+        if loss_type == "grpo":
+            loss = ((per_token_loss * mask).sum(1) / mask.sum(1).clamp(min=1)).sum() / batch["num_seqs"]
+        elif loss_type == "dapo":
+            loss = (per_token_loss * mask).sum() / batch["num_tokens"]
+        else:
+            loss = (per_token_loss * mask).sum() / (batch["num_seqs"] * args.max_completion_length)
+        loss.backward()
+    assert any(g.abs().sum() > 0 for g in grads)
+    for g, p in zip(grads, reference.model.parameters()):
+        assert torch.equal(g, p.grad)
+
+
+def test_mu2_first_step_has_ratio_one_and_the_mu1_gradient(tmp_path):
+    trainer_mu2 = make_trainer(tmp_path, num_iterations=2)
+    grads_mu2 = first_step_gradients(trainer_mu2)
+    grads_mu1 = first_step_gradients(make_trainer(tmp_path, num_iterations=1))
+
+    # The cached π_old log-probs equal the first training forward's: ratio exactly 1, nothing clipped.
+    batch = trainer_mu2.batch
+    fresh = make_trainer(tmp_path).batch_logps(make_model(make_tokenizer()), batch)
+    assert torch.equal(batch["old_logps"], fresh)
+    for g1, g2 in zip(grads_mu1, grads_mu2):
+        assert torch.equal(g1, g2)
+
+
+@pytest.mark.parametrize("mu,beta", [(1, 0.0), (3, 0.0), (1, 0.1), (3, 0.1)])
+def test_generation_and_cached_logps_happen_once_per_generation_batch(tmp_path, monkeypatch, mu, beta):
+    trainer = make_trainer(tmp_path, num_iterations=mu, beta=beta, max_steps=2 * mu)
+    calls = {"generate": 0, "policy": 0, "reference": 0, "policy_no_grad": 0}
+    generate, logps = trainer.model.generate, gm.per_token_logps
+
+    def counting_generate(*a, **k):
+        calls["generate"] += 1
+        return generate(*a, **k)
+
+    def counting_logps(model, *a, **k):
+        who = "reference" if model is trainer.ref_model else "policy"
+        calls[who] += 1
+        calls["policy_no_grad"] += who == "policy" and not torch.is_grad_enabled()
+        return logps(model, *a, **k)
+
+    trainer.model.generate = counting_generate
+    monkeypatch.setattr(gm, "per_token_logps", counting_logps)
+    trainer.train()
+    micro = trainer.args.gradient_accumulation_steps
+    assert calls["generate"] == 2                                   # 2 generation batches for 2·μ steps
+    assert calls["policy_no_grad"] == (2 * micro if mu > 1 else 0)  # π_old: once per batch, never for μ = 1
+    assert calls["policy"] == 2 * mu * micro + calls["policy_no_grad"]
+    assert calls["reference"] == (2 * micro if beta > 0 else 0)     # π_ref: once per batch, none when β = 0
+    assert (trainer.ref_model is None) == (beta == 0)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The clipped objective, term by term
+# ---------------------------------------------------------------------------------------------------
+def loss_on(logps, old_logps, advantages, ref_logps=None, **overrides):
+    args = GRPOConfig(**{"loss_type": "dapo", **overrides})
+    mask = torch.ones_like(logps)
+    return grpo_loss(logps, old_logps, ref_logps, advantages, mask, args, logps.size(0), mask.sum())
+
+
+def test_clipped_tokens_get_zero_gradient_for_both_signs_of_the_advantage():
+    # Ratios exp(logp - old_logp) of 0.5, 0.9, 1.1, 1.5 for a sequence with A > 0 and one with A < 0.
+    ratios = torch.tensor([[0.5, 0.9, 1.1, 1.5], [0.5, 0.9, 1.1, 1.5]])
+    old_logps = torch.full((2, 4), -2.0)
+    logps = (old_logps + ratios.log()).requires_grad_()
+    loss, stats = loss_on(logps, old_logps, torch.tensor([1.0, -1.0]), epsilon=0.2)
+    loss.backward()
+    # A > 0: only the ratio above 1 + ε is clipped. A < 0: only the ratio below 1 - ε.
+    assert (logps.grad[0] == 0).tolist() == [False, False, False, True]
+    assert (logps.grad[1] == 0).tolist() == [True, False, False, False]
+    # The clip-ratio metrics count exactly those tokens.
+    assert (stats["clip_high"].item(), stats["clip_low"].item()) == (1, 1)
+
+
+def test_clip_range_is_asymmetric_with_epsilon_high():
+    old_logps = torch.zeros(1, 2)
+    logps = torch.log(torch.tensor([[1.25, 1.35]])).requires_grad_()
+    loss, stats = loss_on(logps, old_logps, torch.tensor([1.0]), epsilon=0.2, epsilon_high=0.28)
+    loss.backward()
+    assert (logps.grad[0] == 0).tolist() == [False, True]
+    assert stats["clip_high"].item() == 1
+
+
+def test_kl_is_zero_with_zero_gradient_while_policy_equals_reference():
+    logps = torch.randn(3, 5).requires_grad_()
+    loss, stats = loss_on(logps, logps.detach(), torch.zeros(3), ref_logps=logps.detach().clone(), beta=0.5)
+    loss.backward()
+    assert stats["kl"].item() == 0.0 and loss.item() == 0.0
+    assert torch.equal(logps.grad, torch.zeros_like(logps))
+
+
+def test_kl_penalty_pulls_the_policy_back_towards_the_reference():
+    ref_logps = torch.full((1, 3), -1.0)
+    logps = torch.tensor([[-0.5, -1.0, -1.5]], requires_grad=True)
+    loss, stats = loss_on(logps, logps.detach(), torch.zeros(1), ref_logps=ref_logps, beta=1.0)
+    loss.backward()
+    assert stats["kl"].item() > 0
+    # Descending the loss moves each log-prob towards the reference's.
+    assert logps.grad[0, 0] > 0 and logps.grad[0, 1] == 0 and logps.grad[0, 2] < 0
+
+
+def test_trainer_reports_zero_kl_on_its_first_step(tmp_path):
+    trainer = make_trainer(tmp_path, beta=0.1)
+    trainer.batch, _ = trainer.generate_and_score(0)
+    assert trainer.optimizer_step(trainer.batch)["kl"] == 0.0
+
+
+# ---------------------------------------------------------------------------------------------------
+# Rewards and group-normalized advantages
+# ---------------------------------------------------------------------------------------------------
+def test_advantages_are_rewards_normalized_within_each_group():
+    rewards = torch.tensor([1.0, 2.0, 3.0, 4.0, 10.0, 10.0, 10.0, 10.0])
+    std = math.sqrt(((torch.tensor([1.0, 2, 3, 4]) - 2.5) ** 2).sum().item() / 3)  # unbiased, as in the paper
+    expected = [(r - 2.5) / (std + 1e-4) for r in (1, 2, 3, 4)] + [0.0] * 4
+    assert group_advantages(rewards, 4).tolist() == pytest.approx(expected, abs=1e-6)
+    # Dr. GRPO: centred but not scaled.
+    assert group_advantages(rewards, 4, "none").tolist() == pytest.approx([-1.5, -0.5, 0.5, 1.5, 0, 0, 0, 0])
+
+
+def test_a_group_of_equal_rewards_has_exactly_zero_advantage():
+    rewards = torch.tensor([0.1, 0.1, 0.1, -7.3, -7.3, -7.3])  # float means of these are not exact
+    assert torch.equal(group_advantages(rewards, 3), torch.zeros(6))
+
+
+def test_equal_rewards_give_zero_policy_gradient(tmp_path):
+    grads = first_step_gradients(make_trainer(tmp_path, reward_funcs=lambda completions, **kw: [1.0] * len(completions)))
+    assert all(torch.equal(g, torch.zeros_like(g)) for g in grads)
+
+
+def test_several_reward_functions_are_weighted_and_none_means_does_not_apply(tmp_path):
+    def one(completions, **kw):
+        return [1.0] * len(completions)
+
+    def sometimes(completions, **kw):
+        return [None if i % 2 else 3.0 for i in range(len(completions))]
+
+    trainer = make_trainer(tmp_path, reward_funcs=[one, sometimes], reward_weights=[2.0, 0.5])
+    _, stats = trainer.generate_and_score(0)
+    assert stats["reward"] == pytest.approx((2.0 + 2.0 + 1.5) / 2)  # None adds nothing
+    assert stats["rewards/one"] == 1.0 and stats["rewards/sometimes"] == 3.0
+
+
+def test_reward_functions_get_the_dataset_columns_and_completion_ids(tmp_path):
+    seen = {}
+
+    def spy(prompts, completions, completion_ids, answer, **kw):
+        seen.update(prompts=prompts, completions=completions, ids=completion_ids, answer=answer)
+        return [0.0] * len(completions)
+
+    dataset = Dataset.from_dict({"prompt": PROMPTS, "answer": [p.upper() for p in PROMPTS]})
+    trainer = make_trainer(tmp_path, reward_funcs=spy, dataset=dataset)
+    trainer.generate_and_score(0)
+    assert len(seen["prompts"]) == len(seen["completions"]) == len(seen["ids"]) == 8
+    assert [a.lower() for a in seen["answer"]] == seen["prompts"]         # columns stay aligned with prompts
+    assert seen["prompts"][:4] == [seen["prompts"][0]] * 4                 # G adjacent copies of each prompt
+    assert seen["completions"][0] == trainer.tokenizer.decode(seen["ids"][0], skip_special_tokens=True)
+
+
+def test_conversational_prompts_go_through_the_chat_template(tmp_path):
+    seen = {}
+
+    def spy(prompts, completions, **kw):
+        seen.update(prompts=prompts, completions=completions)
+        return [0.0] * len(completions)
+
+    dataset = Dataset.from_dict({"prompt": [[{"role": "user", "content": p}] for p in PROMPTS]})
+    trainer = make_trainer(tmp_path, reward_funcs=spy, dataset=dataset)
+    assert gm.prompt_texts(trainer.tokenizer, [dataset[0]["prompt"]]) == ["user: the cat\nassistant:"]
+    trainer.generate_and_score(0)
+    assert seen["completions"][0][0]["role"] == "assistant"
+
+
+# ---------------------------------------------------------------------------------------------------
+# Generation, masks and per-token log-probs
+# ---------------------------------------------------------------------------------------------------
+def test_completion_mask_keeps_tokens_up_to_and_including_the_first_eos():
+    eos = 1
+    ids = torch.tensor([[5, 6, eos, eos, eos], [5, 6, 7, 8, 9], [eos, 0, 0, 0, 0]])
+    assert completion_mask(ids, eos).tolist() == [[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]]
+
+
+def test_eos_is_trainable_when_pad_is_eos(tmp_path):
+    tokenizer = make_tokenizer(pad_is_eos=True)
+    assert tokenizer.pad_token_id == tokenizer.eos_token_id
+    ids = torch.tensor([[7, 8, tokenizer.eos_token_id, tokenizer.eos_token_id]])
+    mask = completion_mask(ids, tokenizer.eos_token_id)
+    logps = torch.full((1, 4), -1.0, requires_grad=True)
+    args = GRPOConfig()
+    loss, _ = grpo_loss(logps, logps.detach(), None, torch.tensor([1.0]), mask, args, 1, mask.sum())
+    loss.backward()
+    assert logps.grad[0].ne(0).tolist() == [True, True, True, False]  # the EOS learns, the padding doesn't
+
+
+def test_prompts_are_truncated_from_the_left_with_one_warning():
+    tokenizer = make_tokenizer()
+    long_prompt = "the cat sat on the mat " * 5
+    with pytest.warns(UserWarning, match="max_prompt_length=4"):
+        ids, mask = gm.tokenize_prompts(tokenizer, [long_prompt, "hello"], 4)
+    full = tokenizer(long_prompt, add_special_tokens=False)["input_ids"]
+    assert ids[0].tolist() == full[-4:]                                   # the end of the prompt is kept
+    assert mask[1].tolist()[0] == 0 and ids.shape == (2, 4)               # the short one is left-padded
+
+
+def test_left_padding_does_not_change_log_probs():
+    tokenizer = make_tokenizer()
+    model = make_model(tokenizer)
+    ids, mask = gm.tokenize_prompts(tokenizer, ["hello world", "the cat sat on the mat"], None)
+    completion = torch.tensor([[40, 50, 60], [40, 50, 60]])
+    padded = per_token_logps(model, torch.cat([ids, completion], 1),
+                             torch.cat([mask, torch.ones_like(completion)], 1), 3, 1.0)
+    alone_ids = torch.tensor([tokenizer("hello world", add_special_tokens=False)["input_ids"] + [40, 50, 60]])
+    alone = per_token_logps(model, alone_ids, torch.ones_like(alone_ids), 3, 1.0)
+    assert mask[0, 0] == 0                                                # row 0 really is left-padded
+    torch.testing.assert_close(padded[0], alone[0], rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_lean_log_probs_equal_log_softmax_of_tempered_logits(temperature):
+    tokenizer = make_tokenizer()
+    model = make_model(tokenizer)
+    ids = torch.randint(2, len(tokenizer), (3, 10))
+    mask = torch.ones_like(ids)
+    lean = per_token_logps(model, ids, mask, 4, temperature)
+    logits = model(input_ids=ids).logits[:, -5:-1] / temperature
+    plain = logits.log_softmax(-1).gather(-1, ids[:, -4:, None]).squeeze(-1)
+    torch.testing.assert_close(lean, plain, rtol=0, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Gradient accumulation does not change the update
+# ---------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "dr_grpo"])
+def test_micro_batching_does_not_change_the_gradient(tmp_path, loss_type):
+    whole = first_step_gradients(make_trainer(tmp_path, loss_type=loss_type, per_device_train_batch_size=8,
+                                              gradient_accumulation_steps=1, beta=0.1, num_iterations=2))
+    split = first_step_gradients(make_trainer(tmp_path, loss_type=loss_type, per_device_train_batch_size=2,
+                                              gradient_accumulation_steps=4, beta=0.1, num_iterations=2))
+    for a, b in zip(whole, split):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------------
+# It learns, and the seed's own script runs
+# ---------------------------------------------------------------------------------------------------
+def test_reward_rises_over_a_short_run(tmp_path):
+    rewards = []
+
+    class Recorder(GRPOTrainer):
+        def log(self, metrics):
+            rewards.append(metrics["reward"])
+
+    tokenizer = make_tokenizer()
+    args = GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=16, gradient_accumulation_steps=1,
+                      num_generations=8, max_completion_length=8, max_steps=30, learning_rate=3e-2,
+                      num_iterations=2, logging_steps=2, seed=0, save_steps=1000)
+    Recorder(make_model(tokenizer), short_is_good, args, Dataset.from_dict({"prompt": PROMPTS}), tokenizer).train()
+    first, last = sum(rewards[:4]) / 4, sum(rewards[-4:]) / 4
+    assert last > first + 0.25, rewards
+
+
+SEED_SCRIPT = '''
+from datasets import load_dataset
+from trl import GRPOConfig, GRPOTrainer
+
+
+dataset = load_dataset("trl-lib/tldr", split="train")
+
+# Dummy reward function: the closer the completion is to 20 characters, the higher the reward
+def reward_len(completions, **kwargs):
+    return [-abs(100 - len(completion)) for completion in completions]
+
+def main():
+    num_iterations=4
+    training_args = GRPOConfig(
+        output_dir=f"Qwen2.5-0.5B-GRPO-2899-μ={num_iterations}",
+        logging_steps=5,
+        gradient_accumulation_steps=4,
+        per_device_train_batch_size=4,
+        num_generations=8,
+        max_prompt_length=64,
+        max_completion_length=64,
+        log_completions=True,
+        max_steps=200,
+        num_iterations=num_iterations,
+    )
+    trainer = GRPOTrainer(
+        model="Qwen/Qwen2.5-0.5B",
+        reward_funcs=reward_len,
+        args=training_args,
+        train_dataset=dataset,
+    )
+    trainer.train()
+
+
+if __name__ == "__main__":
+    main()
+'''
+
+
+def test_the_seeds_reproduction_script_runs_with_only_its_import_line_changed(tmp_path):
+    """The seed's script, verbatim but for the import line and offline stand-ins for the hub: a tiny
+    local model (with its tokenizer, loaded by path) and a local JSON copy of a few tldr prompts."""
+    tokenizer = make_tokenizer()
+    make_model(tokenizer).save_pretrained(tmp_path / "tiny")
+    tokenizer.save_pretrained(tmp_path / "tiny")
+    Dataset.from_dict({"prompt": [f"POST: {p}\nTL;DR:" for p in PROMPTS]}).to_json(tmp_path / "tldr.json")
+    script = (SEED_SCRIPT.replace("from trl import", "from grpo_multistep import")
+              .replace('load_dataset("trl-lib/tldr", split="train")', f'load_dataset("json", data_files="{tmp_path / "tldr.json"}", split="train")')
+              .replace('"Qwen/Qwen2.5-0.5B"', f'"{tmp_path / "tiny"}"')
+              .replace("max_steps=200", "max_steps=8"))
+    (tmp_path / "seed.py").write_text(script)
+    env = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.abspath(gm.__file__)), "OMP_NUM_THREADS": "1"}
+    result = subprocess.run([sys.executable, "seed.py"], cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = tmp_path / "Qwen2.5-0.5B-GRPO-2899-μ=4"
+    assert (out / "model.safetensors").exists() and (out / "metrics.jsonl").read_text().count("\n") == 2
+    assert "step 5" in result.stdout and "[reward" in result.stdout  # logging_steps and log_completions
+
+
+# ---------------------------------------------------------------------------------------------------
+# Bad input fails fast, with a message that names the problem
+# ---------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("field,value,match", [
+    ("num_generations", 1, "num_generations=1"),
+    ("num_iterations", 0, "num_iterations=0"),
+    ("epsilon", 0.0, "epsilon=0.0"),
+    ("epsilon", 1.5, "epsilon=1.5"),
+    ("temperature", 0.0, "temperature=0.0"),
+    ("max_completion_length", 0, "max_completion_length=0"),
+    ("logging_steps", 0, "logging_steps=0"),
+    ("save_steps", 0, "save_steps=0"),
+    ("loss_type", "ppo", "loss_type='ppo'"),
+    ("scale_rewards", "batch", "scale_rewards='batch'"),
+])
+def test_bad_config_values_are_rejected(field, value, match):
+    with pytest.raises(ValueError, match=match):
+        GRPOConfig(**{field: value})
+
+
+def test_bad_trainer_inputs_are_rejected_before_training(tmp_path):
+    with pytest.raises(ValueError, match="not divisible by num_generations=4"):
+        make_trainer(tmp_path, per_device_train_batch_size=3, gradient_accumulation_steps=1)
+    with pytest.raises(ValueError, match="empty"):
+        make_trainer(tmp_path, dataset=Dataset.from_dict({"prompt": []}))
+    with pytest.raises(ValueError, match="no 'prompt' column"):
+        make_trainer(tmp_path, dataset=Dataset.from_dict({"text": PROMPTS}))
+    with pytest.raises(ValueError, match="prompt 1 is an empty string"):
+        make_trainer(tmp_path, dataset=Dataset.from_dict({"prompt": ["hi", " "]}))
+    with pytest.raises(ValueError, match="reward_weights has 2 weights for 1 reward functions"):
+        make_trainer(tmp_path, reward_weights=[1.0, 2.0])
+
+
+def broken(completions, **kw):
+    raise KeyError("answer")
+
+
+def too_few(completions, **kw):
+    return [1.0]
+
+
+def not_numbers(completions, **kw):
+    return ["good"] * len(completions)
+
+
+def never_applies(completions, **kw):
+    return [None] * len(completions)
+
+
+def nan_reward(completions, **kw):
+    return [float("nan")] * len(completions)
+
+
+@pytest.mark.parametrize("func,error,match", [
+    (broken, RuntimeError, "reward function 'broken' raised KeyError"),
+    (too_few, ValueError, "reward function 'too_few' returned 1 values for 8 completions"),
+    (not_numbers, TypeError, "reward function 'not_numbers' returned 'good'"),
+    (never_applies, ValueError, "every reward function returned None for completion 0"),
+    (nan_reward, ValueError, "reward function 'nan_reward' returned nan for completion 0"),
+])
+def test_bad_reward_functions_are_named(tmp_path, func, error, match):
+    trainer = make_trainer(tmp_path, reward_funcs=func)
+    with pytest.raises(error, match=match):
+        trainer.train()
