@@ -41,15 +41,18 @@ import numbers
 import os
 import random
 import shutil
+import socket
 import time
+import urllib.parse
 import warnings
 from collections import defaultdict
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
+import huggingface_hub
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
+from datasets import Dataset
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PreTrainedModel
 
 
@@ -497,8 +500,8 @@ class GRPOTrainer:
         window = defaultdict(list)
         self.start_time = time.perf_counter()
         try:
+            rng_at_last_step = rng_state()  # what a checkpoint of the last finished step must hold
             while self.step < args.max_steps and not self.should_stop:
-                rng_at_step_start = rng_state()
                 metrics = {"time_generate": 0.0, "time_logps": 0.0}  # stays 0 on the μ - 1 reuse steps
                 if self.step % mu == 0:                                    # a new generation batch
                     self.batch, batch_stats = self.generate_and_score(self.step // mu)
@@ -507,6 +510,7 @@ class GRPOTrainer:
                 for k, v in metrics.items():
                     window[k].append(v)
                 self.step += 1
+                rng_at_last_step = rng_state()
                 if self.nonfinite_in_a_row >= 3:
                     self.save_checkpoint()
                     raise RuntimeError(f"training stopped at step {self.step}: {self.nonfinite_in_a_row} optimizer "
@@ -519,7 +523,7 @@ class GRPOTrainer:
                 if self.step % args.save_steps == 0 and self.step < args.max_steps:
                     self.save_checkpoint()
         except KeyboardInterrupt:  # checkpoint the last finished step, as if the current one never began
-            set_rng_state(rng_at_step_start)
+            set_rng_state(rng_at_last_step)
             self.save_checkpoint()
             raise
         self.save_checkpoint()
@@ -550,24 +554,30 @@ class GRPOTrainer:
     # 7. Checkpoints: output_dir/checkpoint-<step>, written atomically, resumed bit-identically on CPU
     # ------------------------------------------------------------------------------------------------
     def save_checkpoint(self):
-        """Model, optimizer, scheduler, step, RNG states and, mid-μ-cycle, the cached generation batch."""
-        if self.rank != 0:
-            return
-        final = os.path.join(self.args.output_dir, f"checkpoint-{self.step}")
-        tmp = final + ".tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
-        self.model.save_pretrained(tmp)
-        state = {"step": self.step, "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
-                 "rng": rng_state(),
-                 "batch": self.batch if self.step % self.args.num_iterations else None,
-                 "samples": getattr(self, "samples", None),
-                 "nonfinite_in_a_row": self.nonfinite_in_a_row, "shape": self.checkpoint_shape()}
-        torch.save(state, os.path.join(tmp, "trainer_state.pt"))
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)  # atomic: a checkpoint folder is either complete or absent
-        if self.args.save_total_limit is not None:
-            for old in list_checkpoints(self.args.output_dir)[:-self.args.save_total_limit]:
-                shutil.rmtree(old)
+        """Model, optimizer, scheduler, step and, from every rank, its RNG states and, mid-μ-cycle, its
+        cached generation batch (so a resumed run continues the cycle instead of regenerating)."""
+        mine = {"rng": rng_state(), "samples": getattr(self, "samples", None),
+                "batch": self.batch if self.step % self.args.num_iterations else None}
+        ranks = [mine]
+        if self.world_size > 1:
+            ranks = [None] * self.world_size
+            dist.all_gather_object(ranks, mine)
+        if self.rank == 0:
+            final = os.path.join(self.args.output_dir, f"checkpoint-{self.step}")
+            tmp = final + ".tmp"
+            shutil.rmtree(tmp, ignore_errors=True)
+            self.model.save_pretrained(tmp)
+            state = {"step": self.step, "optimizer": self.optimizer.state_dict(), "ranks": ranks,
+                     "scheduler": self.scheduler.state_dict(), "nonfinite_in_a_row": self.nonfinite_in_a_row,
+                     "shape": self.checkpoint_shape()}
+            torch.save(state, os.path.join(tmp, "trainer_state.pt"))
+            shutil.rmtree(final, ignore_errors=True)
+            os.replace(tmp, final)  # atomic: a checkpoint folder is either complete or absent
+            if self.args.save_total_limit is not None:
+                for old in list_checkpoints(self.args.output_dir)[:-self.args.save_total_limit]:
+                    shutil.rmtree(old)
+        if self.world_size > 1:
+            dist.barrier()  # no rank goes on (or resumes) before the checkpoint exists
 
     def checkpoint_shape(self):
         a = self.args
@@ -592,9 +602,10 @@ class GRPOTrainer:
         self.model.load_state_dict(loaded.state_dict())
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
-        self.step, self.batch, self.nonfinite_in_a_row = state["step"], state["batch"], state["nonfinite_in_a_row"]
-        self.samples = state["samples"]
-        set_rng_state(state["rng"])
+        self.step, self.nonfinite_in_a_row = state["step"], state["nonfinite_in_a_row"]
+        mine = state["ranks"][self.rank]
+        self.batch, self.samples = mine["batch"], mine["samples"]
+        set_rng_state(mine["rng"])
 
 
 def rng_state():
@@ -625,33 +636,60 @@ def load_model(model):
         return model
     if not isinstance(model, (str, os.PathLike)):
         raise TypeError(f"model must be a hub id, a local path or a PreTrainedModel, got {type(model).__name__}")
-    try:
-        return AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
-    except OSError as e:
-        where = "a local folder" if os.path.isdir(model) else "a local folder, and the hub has no such model or is unreachable"
-        raise ValueError(f"could not load model {str(model)!r}: it is not {where} ({e.__class__.__name__})") from e
+    return from_disk_or_hub(AutoModelForCausalLM, str(model), dtype=torch.float32)
 
 
 def load_tokenizer(processing_class, model):
-    tokenizer = processing_class
-    if tokenizer is None:
-        tokenizer = AutoTokenizer.from_pretrained(model.config._name_or_path)
+    tokenizer = processing_class or from_disk_or_hub(AutoTokenizer, model.config._name_or_path)
     if tokenizer.eos_token_id is None:
-        raise ValueError("the tokenizer has no eos_token: completions could never end (set tokenizer.eos_token)")
+        raise ValueError("the tokenizer has no eos_token, so completions could never end; set tokenizer.eos_token")
     if tokenizer.pad_token_id is None:  # padding is masked out, so any id will do; EOS is the usual choice
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
 
 
+def from_disk_or_hub(cls, name, **kwargs):
+    """cls.from_pretrained(name), but when the hub is unreachable it looks in the local cache only, so
+    that a wrong name fails within seconds instead of after minutes of network retries."""
+    if not os.path.isdir(name) and (os.path.isabs(name) or name.startswith(".")):
+        raise ValueError(f"could not load {name!r}: there is no such folder")
+    offline = not os.path.isdir(name) and not hub_reachable()
+    try:
+        return cls.from_pretrained(name, local_files_only=offline, **kwargs)
+    except OSError as e:
+        where = ("the hub is unreachable from here and it is not in the local cache" if offline else
+                 "it is neither a local folder nor a model on the hub" if not os.path.isdir(name) else
+                 "the folder holds no model of this kind")
+        raise ValueError(f"could not load {name!r}: {where} ({str(e).splitlines()[0]})") from e
+
+
+def hub_reachable(timeout=3.0):
+    if os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes"):
+        return False
+    host = urllib.parse.urlparse(huggingface_hub.constants.ENDPOINT).hostname
+    try:
+        socket.create_connection((host, 443), timeout=timeout).close()
+        return True
+    except OSError:
+        return False
+
+
 def check_dataset(dataset):
-    if dataset is None or not hasattr(dataset, "column_names"):
+    """A datasets.Dataset, or a list of rows such as [{"prompt": ..., "answer": ...}], with valid prompts."""
+    if isinstance(dataset, list):
+        if not all(isinstance(row, dict) and "prompt" in row for row in dataset):
+            raise ValueError("train_dataset as a list must hold rows like {'prompt': ...}, each with a 'prompt' key")
+        prompts = [row["prompt"] for row in dataset]
+    elif hasattr(dataset, "column_names"):
+        if "prompt" not in dataset.column_names:
+            raise ValueError(f"train_dataset has no 'prompt' column (columns: {dataset.column_names})")
+        prompts = dataset["prompt"]
+    else:
         raise TypeError(f"train_dataset must be a datasets.Dataset with a 'prompt' column, got {type(dataset).__name__}")
-    if "prompt" not in dataset.column_names:
-        raise ValueError(f"train_dataset has no 'prompt' column (columns: {dataset.column_names})")
-    if len(dataset) == 0:
+    if len(prompts) == 0:
         raise ValueError("train_dataset is empty")
     kinds = set()
-    for i, p in enumerate(dataset["prompt"]):
+    for i, p in enumerate(prompts):
         if isinstance(p, str):
             if not p.strip():
                 raise ValueError(f"train_dataset prompt {i} is an empty string")
@@ -661,6 +699,6 @@ def check_dataset(dataset):
         else:
             raise ValueError(f"train_dataset prompt {i} is neither text nor a conversation "
                              f"(a list of {{'role', 'content'}} messages): {p!r:.80}")
-    if len(kinds) > 1:
-        raise ValueError("train_dataset's prompt column mixes plain text and conversations; use one kind")
-    return dataset
+        if len(kinds) > 1:
+            raise ValueError(f"train_dataset's prompt column mixes plain text and conversations (prompt {i}); use one kind")
+    return Dataset.from_list(dataset) if isinstance(dataset, list) else dataset

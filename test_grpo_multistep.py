@@ -6,9 +6,11 @@ trained here on a few sentences, so the whole file takes seconds on a CPU.
 
 import math
 import os
+import signal
 import subprocess
 import sys
-import textwrap
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -413,6 +415,128 @@ def test_the_seeds_reproduction_script_runs_with_only_its_import_line_changed(tm
 
 
 # ---------------------------------------------------------------------------------------------------
+# Checkpoints: resuming is bit-identical; a killed write never costs the previous checkpoint
+# ---------------------------------------------------------------------------------------------------
+def run_to_end(tmp_path, name, resume=None, stop_at=None, **overrides):
+    """Train 6 steps with μ = 3 and a checkpoint every 2 steps (so steps 2 and 4 fall inside a μ cycle);
+    return the final weights and the logged metrics without the timings. `stop_at` simulates Ctrl-C."""
+    logged = []
+
+    class Recorder(GRPOTrainer):
+        def log(self, metrics):
+            logged.append({k: v for k, v in metrics.items() if not k.startswith("time") and k != "elapsed"})
+            if metrics["step"] == stop_at:
+                raise KeyboardInterrupt
+
+    tokenizer = make_tokenizer()
+    config = dict(output_dir=str(tmp_path / name), per_device_train_batch_size=4, gradient_accumulation_steps=2,
+                  num_generations=4, max_completion_length=12, max_steps=6, num_iterations=3, save_steps=2,
+                  learning_rate=1e-2, logging_steps=1, beta=0.1, seed=0)
+    config.update(overrides)
+    trainer = Recorder(make_model(tokenizer), short_is_good, GRPOConfig(**config),
+                       Dataset.from_dict({"prompt": PROMPTS}), tokenizer)
+    trainer.train(resume_from_checkpoint=resume)
+    return [p.detach().clone() for p in trainer.model.parameters()], logged
+
+
+def assert_same_run(a, b):
+    (weights_a, metrics_a), (weights_b, metrics_b) = a, b
+    assert all(torch.equal(x, y) for x, y in zip(weights_a, weights_b))
+    assert metrics_a[-len(metrics_b):] == metrics_b
+
+
+@pytest.mark.parametrize("checkpoint", [2, 3, 4])  # inside a μ cycle (2, 4) and at its boundary (3)
+def test_resuming_from_a_checkpoint_is_bit_identical(tmp_path, checkpoint):
+    uninterrupted = run_to_end(tmp_path, "a", save_steps=1)
+    resumed = run_to_end(tmp_path, "b", resume=str(tmp_path / "a" / f"checkpoint-{checkpoint}"))
+    assert_same_run(uninterrupted, resumed)
+    assert len(resumed[1]) == 6 - checkpoint
+
+
+def test_ctrl_c_writes_a_checkpoint_that_resumes_bit_identically(tmp_path):
+    uninterrupted = run_to_end(tmp_path, "a")
+    with pytest.raises(KeyboardInterrupt):
+        run_to_end(tmp_path, "b", stop_at=5)       # between the checkpoints of steps 4 and 6
+    assert os.path.isdir(tmp_path / "b" / "checkpoint-5")
+    assert_same_run(uninterrupted, run_to_end(tmp_path, "b", resume=True))  # True: the newest in output_dir
+
+
+KILLED_WHILE_SAVING = """
+import sys, time, torch
+sys.path[:0] = [{here!r}]
+import test_grpo_multistep as t
+real_save = torch.save
+def save(obj, path, *a, **k):
+    if isinstance(obj, dict) and obj.get("step") == 4:  # the model is written, trainer state not yet
+        open({flag!r}, "w").close()
+        time.sleep(600)
+    real_save(obj, path, *a, **k)
+torch.save = save
+t.run_to_end(t.Path({tmp!r}), "run")
+"""
+
+
+def test_a_process_killed_while_writing_a_checkpoint_leaves_the_previous_one_loadable(tmp_path):
+    flag = tmp_path / "saving"
+    script = KILLED_WHILE_SAVING.format(here=os.path.dirname(os.path.abspath(__file__)), flag=str(flag), tmp=str(tmp_path))
+    process = subprocess.Popen([sys.executable, "-c", script], env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        for _ in range(1200):
+            if flag.exists() or process.poll() is not None:
+                break
+            time.sleep(0.1)
+        assert flag.exists(), "the child never reached the checkpoint of step 4"
+        process.send_signal(signal.SIGKILL)
+    finally:
+        process.kill()
+        process.wait()
+    run = tmp_path / "run"
+    assert sorted(os.listdir(run)) == ["checkpoint-2", "checkpoint-4.tmp"]  # half-written, under a temporary name
+    assert gm.list_checkpoints(str(run)) == [str(run / "checkpoint-2")]
+    assert_same_run(run_to_end(tmp_path, "a"), run_to_end(tmp_path, "run", resume=True))
+
+
+def test_save_total_limit_keeps_the_newest_checkpoints(tmp_path):
+    run_to_end(tmp_path, "a", save_steps=1, save_total_limit=2)
+    assert [os.path.basename(c) for c in gm.list_checkpoints(str(tmp_path / "a"))] == ["checkpoint-5", "checkpoint-6"]
+
+
+def test_resume_rejects_a_folder_that_is_not_a_checkpoint_or_has_another_batch_shape(tmp_path):
+    run_to_end(tmp_path, "a")
+    with pytest.raises(ValueError, match="is not a checkpoint: no trainer_state.pt"):
+        run_to_end(tmp_path, "b", resume=str(tmp_path))
+    with pytest.raises(ValueError, match=r"different batch shape.*'num_iterations': \(3, 2\)"):
+        run_to_end(tmp_path, "b", resume=str(tmp_path / "a" / "checkpoint-2"), num_iterations=2)
+    with pytest.raises(ValueError, match="holds no checkpoint"):
+        run_to_end(tmp_path, "empty", resume=True)
+
+
+# ---------------------------------------------------------------------------------------------------
+# A non-finite loss never reaches the weights
+# ---------------------------------------------------------------------------------------------------
+def test_a_non_finite_loss_skips_the_step_and_leaves_weights_and_optimizer_untouched(tmp_path, monkeypatch):
+    loss = gm.grpo_loss
+    monkeypatch.setattr(gm, "grpo_loss", lambda *a: (lambda l, s: (l * float("nan"), s))(*loss(*a)))
+    trainer = make_trainer(tmp_path)
+    before = [p.detach().clone() for p in trainer.model.parameters()]
+    trainer.batch, _ = trainer.generate_and_score(0)
+    with pytest.warns(UserWarning, match="non-finite loss or gradient norm"):
+        metrics = trainer.optimizer_step(trainer.batch)
+    assert metrics["nonfinite_steps"] == 1.0
+    assert all(torch.equal(a, b) for a, b in zip(before, trainer.model.parameters()))
+    assert trainer.optimizer.state_dict()["state"] == {} and trainer.scheduler.last_epoch == 0
+
+
+def test_three_non_finite_steps_in_a_row_stop_training_with_a_checkpoint(tmp_path, monkeypatch):
+    loss = gm.grpo_loss
+    monkeypatch.setattr(gm, "grpo_loss", lambda *a: (lambda l, s: (l * float("inf"), s))(*loss(*a)))
+    trainer = make_trainer(tmp_path, max_steps=10)
+    with pytest.warns(UserWarning), pytest.raises(RuntimeError, match="3 optimizer steps in a row had a non-finite"):
+        trainer.train()
+    assert gm.list_checkpoints(trainer.args.output_dir)[-1].endswith("checkpoint-3")
+
+
+# ---------------------------------------------------------------------------------------------------
 # Bad input fails fast, with a message that names the problem
 # ---------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("field,value,match", [
@@ -443,6 +567,33 @@ def test_bad_trainer_inputs_are_rejected_before_training(tmp_path):
         make_trainer(tmp_path, dataset=Dataset.from_dict({"prompt": ["hi", " "]}))
     with pytest.raises(ValueError, match="reward_weights has 2 weights for 1 reward functions"):
         make_trainer(tmp_path, reward_weights=[1.0, 2.0])
+
+
+def test_a_model_that_cannot_be_loaded_is_named_within_seconds(tmp_path):
+    start = time.perf_counter()
+    with pytest.raises(ValueError, match="could not load '.*no-such-folder'"):
+        GRPOTrainer(str(tmp_path / "no-such-folder"), short_is_good, GRPOConfig(), Dataset.from_dict({"prompt": PROMPTS}))
+    with pytest.raises(ValueError, match="could not load 'no-such-user/no-such-model-for-grpo'"):
+        GRPOTrainer("no-such-user/no-such-model-for-grpo", short_is_good, GRPOConfig(),
+                    Dataset.from_dict({"prompt": PROMPTS}))
+    assert time.perf_counter() - start < 20
+
+
+def test_a_tokenizer_without_eos_is_rejected(tmp_path):
+    tokenizer = make_tokenizer()
+    tokenizer.eos_token = None
+    with pytest.raises(ValueError, match="no eos_token"):
+        make_trainer(tmp_path, tokenizer=tokenizer)
+
+
+def test_prompts_as_a_list_of_rows_are_checked_like_a_dataset(tmp_path):
+    trainer = make_trainer(tmp_path, dataset=[{"prompt": p, "answer": p} for p in PROMPTS])
+    assert trainer.dataset.column_names == ["prompt", "answer"]
+    conversation = [{"role": "user", "content": "hi"}]
+    with pytest.raises(ValueError, match=r"mixes plain text and conversations \(prompt 1\)"):
+        make_trainer(tmp_path, dataset=[{"prompt": "hi"}, {"prompt": conversation}])
+    with pytest.raises(ValueError, match="prompt 0 is neither text nor a conversation"):
+        make_trainer(tmp_path, dataset=[{"prompt": 42}])
 
 
 def broken(completions, **kw):
