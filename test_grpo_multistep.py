@@ -7,6 +7,7 @@ trained here on a few sentences, so the whole file takes seconds on a CPU.
 import math
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -534,6 +535,72 @@ def test_three_non_finite_steps_in_a_row_stop_training_with_a_checkpoint(tmp_pat
     with pytest.warns(UserWarning), pytest.raises(RuntimeError, match="3 optimizer steps in a row had a non-finite"):
         trainer.train()
     assert gm.list_checkpoints(trainer.args.output_dir)[-1].endswith("checkpoint-3")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Data parallelism: N processes make the same optimizer steps as one process over the same completions
+# ---------------------------------------------------------------------------------------------------
+def fixed_completions(model, tokenizer, prompt_ids, prompt_mask, args):
+    """Stands in for generate_completions: completions (and their lengths) that depend only on the
+    prompt, so that any split of the prompts over ranks yields the same global batch."""
+    G, C = args.num_generations, args.max_completion_length
+    prompt_ids, prompt_mask = prompt_ids.repeat_interleave(G, 0), prompt_mask.repeat_interleave(G, 0)
+    key = (prompt_ids * prompt_mask).sum(1)                                   # one number per prompt
+    j = torch.arange(len(key)) % G                                            # sample index in the group
+    completion_ids = (key[:, None] * 7 + j[:, None] * 31 + torch.arange(C) * 13) % 250 + 2
+    length = (key + 3 * j) % C + 1                                            # varied lengths
+    completion_ids[torch.arange(len(key)), length - 1] = tokenizer.eos_token_id
+    return prompt_ids, prompt_mask, completion_ids, completion_mask(completion_ids, tokenizer.eos_token_id)
+
+
+DATA_PARALLEL_RUNS = [(loss_type, mu) for loss_type in ("grpo", "dapo", "dr_grpo") for mu in (1, 2)]
+
+
+def train_on_fixed_completions(tmp_path, world_size):
+    """Two optimizer steps of each (loss_type, μ), 16 completions per step over all ranks."""
+    gm.generate_completions = fixed_completions
+    params = {}
+    for loss_type, mu in DATA_PARALLEL_RUNS:
+        trainer = make_trainer(tmp_path, loss_type=loss_type, num_iterations=mu, beta=0.1,
+                               per_device_train_batch_size=8 // world_size, gradient_accumulation_steps=2,
+                               max_steps=2, save_steps=100, output_dir=str(tmp_path / f"{loss_type}-{mu}"))
+        trainer.log = lambda metrics: None
+        grads = []  # the gradients each optimizer step applies, after the all-reduce
+        trainer.optimizer.register_step_pre_hook(
+            lambda *_: grads.append([p.grad.clone() for p in trainer.model.parameters()]))
+        trainer.train()
+        params[loss_type, mu] = grads, [p.detach().clone() for p in trainer.model.parameters()]
+    return params
+
+
+def data_parallel_worker(rank, world_size, port, tmp_path):
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    params = train_on_fixed_completions(tmp_path, world_size)
+    if rank == 0:
+        torch.save(params, tmp_path / "params.pt")
+    torch.distributed.destroy_process_group()
+
+
+def test_two_processes_make_the_same_updates_as_one(tmp_path, monkeypatch):
+    monkeypatch.setattr(gm, "generate_completions", fixed_completions)
+    single = train_on_fixed_completions(tmp_path / "single", world_size=1)
+    with socket.socket() as s:  # a free port for the gloo rendezvous
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    torch.multiprocessing.spawn(data_parallel_worker, args=(2, port, tmp_path), nprocs=2)
+    double = torch.load(tmp_path / "params.pt")
+    for run in DATA_PARALLEL_RUNS:
+        (grads_1, params_1), (grads_2, params_2) = single[run], double[run]
+        assert len(grads_1) == len(grads_2) == 2
+        for step_1, step_2 in zip(grads_1, grads_2):  # the same gradient, scale included
+            for a, b in zip(step_1, step_2):
+                torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-7, msg=f"{run}")
+        # Then the same weights, up to Adam's amplification of float noise in near-zero gradients
+        # (learning rate 1e-2: the weights move by about 2e-2).
+        for a, b in zip(params_1, params_2):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-4, msg=f"{run}")
 
 
 # ---------------------------------------------------------------------------------------------------
