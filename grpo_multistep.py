@@ -52,6 +52,7 @@ from dataclasses import dataclass, field
 import huggingface_hub
 import torch
 import torch.distributed as dist
+from torch.utils.checkpoint import checkpoint
 from datasets import Dataset
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PreTrainedModel
 
@@ -238,18 +239,31 @@ def group_advantages(rewards, num_generations, scale_rewards="group"):
 # ----------------------------------------------------------------------------------------------------
 # 4. Per-token log-probs: log π(o_t | q, o_<t) for the completion tokens only
 # ----------------------------------------------------------------------------------------------------
-def per_token_logps(model, input_ids, attention_mask, logits_to_keep, temperature):
+def per_token_logps(model, input_ids, attention_mask, logits_to_keep, temperature, chunk_tokens=256):
     """Log-probs of the last `logits_to_keep` tokens of input_ids under `model`, from logits divided by
-    the sampling temperature (so π_old is the distribution that sampled). Memory: logits only for the
-    completion positions (`logits_to_keep`, not the prompt), and log p = logit - logsumexp(logits), so
-    the (B, C, V) log_softmax tensor is never materialized."""
+    the sampling temperature (so that π_old is the distribution that sampled).
+
+    Memory: the (B, C, V) logits of a micro-batch are the largest tensor of GRPO on a small model (8 × 64
+    × 49152 floats = 100 MB, and backward needs two more of that size). Here they never exist: the
+    decoder's hidden states of the completion positions go through the LM head `chunk_tokens` tokens at
+    a time, under activation checkpointing, so forward and backward hold one chunk of logits at a time,
+    at the price of running the LM head twice. log p = logit - logsumexp(logits) also avoids a full
+    log_softmax tensor. This assumes logits = lm_head(hidden); GRPOTrainer checks that for its model."""
     # Positions count real tokens only, so that left padding does not shift them.
-    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)                            # (B, T)
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                   logits_to_keep=logits_to_keep + 1, use_cache=False).logits            # (B, C+1, V)
-    logits = logits[:, :-1].float() / temperature                    # (B, C, V): logit at t predicts t+1
-    targets = input_ids[:, -logits_to_keep:]                                               # (B, C)
-    return logits.gather(-1, targets[..., None]).squeeze(-1) - logits.logsumexp(-1)         # (B, C)
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)                             # (B, T)
+    hidden = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                                 use_cache=False).last_hidden_state
+    hidden = hidden[:, -logits_to_keep - 1:-1].flatten(0, 1)    # (B·C, H): the state at t predicts token t+1
+    targets = input_ids[:, -logits_to_keep:]                                                # (B, C)
+    lm_head = model.get_output_embeddings()
+    chunks = [checkpoint(token_logps, lm_head, h, y, temperature, use_reentrant=False)
+              for h, y in zip(hidden.split(chunk_tokens), targets.flatten().split(chunk_tokens))]
+    return torch.cat(chunks).view_as(targets)                                               # (B, C)
+
+
+def token_logps(lm_head, hidden, targets, temperature):
+    logits = lm_head(hidden).float() / temperature                                     # (n, V): one chunk
+    return logits.gather(-1, targets[:, None]).squeeze(-1) - logits.logsumexp(-1)     # (n,)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -348,12 +362,14 @@ class GRPOTrainer:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.model.train()
         self.tokenizer = load_tokenizer(processing_class, self.model)
+        check_logits_are_lm_head(self.model, self.tokenizer)
         self.ref_model = None
         if args.beta > 0:
             self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False)
 
+        # fused: one kernel over all parameters, no temporaries of the model's size (CPU and GPU).
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=args.learning_rate,
-                                           weight_decay=args.weight_decay)
+                                           weight_decay=args.weight_decay, fused=True)
         decay = (lambda s: 1 - s / args.max_steps) if args.lr_scheduler_type == "linear" else (lambda s: 1.0)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, decay)
         self.prompts_per_step = per_step // args.num_generations           # this rank's prompts per step
@@ -672,6 +688,18 @@ def hub_reachable(timeout=3.0):
         return True
     except OSError:
         return False
+
+
+@torch.no_grad()
+def check_logits_are_lm_head(model, tokenizer):
+    """per_token_logps computes logits as lm_head(last hidden state), as Llama, Qwen, Mistral or SmolLM do;
+    refuse a model that post-processes them (Gemma 2's softcapping, Cohere's scaling)."""
+    ids = torch.tensor([[tokenizer.eos_token_id] * 3], device=model.device)
+    full = model(input_ids=ids).logits
+    lean = model.get_output_embeddings()(model.get_decoder()(input_ids=ids).last_hidden_state)
+    if not torch.allclose(full, lean, rtol=1e-3, atol=1e-3):
+        raise ValueError(f"{type(model).__name__}'s logits are not lm_head(hidden states) (softcapping or scaling?); "
+                         "per_token_logps would compute wrong log-probs for it")
 
 
 def check_dataset(dataset):

@@ -313,15 +313,30 @@ def test_left_padding_does_not_change_log_probs():
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_lean_log_probs_equal_log_softmax_of_tempered_logits(temperature):
+def test_lean_chunked_log_probs_equal_log_softmax_of_tempered_logits(temperature):
+    """The lean path (hidden states -> LM head in checkpointed chunks of 5 tokens -> logit - logsumexp)
+    gives the log-probs and the gradients of the plain log_softmax of the model's tempered logits."""
     tokenizer = make_tokenizer()
     model = make_model(tokenizer)
     ids = torch.randint(2, len(tokenizer), (3, 10))
-    mask = torch.ones_like(ids)
-    lean = per_token_logps(model, ids, mask, 4, temperature)
+    lean = per_token_logps(model, ids, torch.ones_like(ids), 4, temperature, chunk_tokens=5)
+    lean.sum().backward()
+    lean_grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
     logits = model(input_ids=ids).logits[:, -5:-1] / temperature
     plain = logits.log_softmax(-1).gather(-1, ids[:, -4:, None]).squeeze(-1)
+    plain.sum().backward()
     torch.testing.assert_close(lean, plain, rtol=0, atol=1e-5)
+    for a, p in zip(lean_grads, model.parameters()):
+        torch.testing.assert_close(a, p.grad, rtol=1e-4, atol=1e-6)
+
+
+def test_a_model_whose_logits_are_not_the_lm_head_output_is_refused(tmp_path):
+    model = make_model(make_tokenizer())
+    forward = model.forward  # stands in for softcapping or scaling inside a model's forward
+    model.forward = lambda *a, **k: (lambda out: setattr(out, "logits", out.logits * 2) or out)(forward(*a, **k))
+    with pytest.raises(ValueError, match="logits are not lm_head"):
+        make_trainer(tmp_path, model=model)
 
 
 # ---------------------------------------------------------------------------------------------------
