@@ -558,7 +558,8 @@ class GRPOTrainer:
         print(" | ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in metrics.items()))
         if self.args.log_completions:
             for prompt, completion, reward in self.samples[:4]:
-                print(f"  [reward {reward:+.3f}] {str(prompt)[-60:]!r} -> {completion[:100]!r}")
+                prompt = prompt if isinstance(prompt, str) else prompt[-1]["content"]  # a conversation's last turn
+                print(f"  [reward {reward:+.3f}] {prompt[-60:]!r} -> {completion[:100]!r}")
 
     def all_reduce(self, t):
         """Sum a tensor over ranks (a no-op in a single process)."""
