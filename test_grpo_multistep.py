@@ -12,7 +12,6 @@ import socket
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -480,6 +479,7 @@ def test_ctrl_c_writes_a_checkpoint_that_resumes_bit_identically(tmp_path):
 
 KILLED_WHILE_SAVING = """
 import sys, time, torch
+from pathlib import Path
 sys.path[:0] = [{here!r}]
 import test_grpo_multistep as t
 real_save = torch.save
@@ -489,7 +489,7 @@ def save(obj, path, *a, **k):
         time.sleep(600)
     real_save(obj, path, *a, **k)
 torch.save = save
-t.run_to_end(t.Path({tmp!r}), "run")
+t.run_to_end(Path({tmp!r}), "run")
 """
 
 
