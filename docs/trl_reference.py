@@ -1,0 +1,48 @@
+"""TRL's own GRPOTrainer on the benchmark's configuration and prompts: the comparison in the README's
+performance section. Not part of the project, and not run by its tests; it needs TRL, in a venv of its own:
+
+    python3 -m venv /tmp/trl && . /tmp/trl/bin/activate && pip install torch==2.13.0 trl==1.16.0
+    python docs/trl_reference.py PROMPTS.jsonl MODEL_FOLDER STEPS
+
+PROMPTS.jsonl: the cpu preset's prompts (train_tldr.load_prompts("embedded").to_json(...)); MODEL_FOLDER:
+the converted SmolLM2-135M-Instruct (~/.cache/grpo_multistep/SmolLM2-135M-Instruct).
+TRL 1.16 has no max_prompt_length: its prompts are never truncated."""
+
+import json
+import resource
+import statistics
+import sys
+import time
+
+from datasets import load_dataset
+from transformers import TrainerCallback
+from trl import GRPOConfig, GRPOTrainer
+
+prompts, model, steps = sys.argv[1], sys.argv[2], int(sys.argv[3])
+
+
+def reward_len(completions, **kwargs):  # train_tldr.py's reward: 40 characters
+    return [-abs(40 - len(c if isinstance(c, str) else c[-1]["content"])) for c in completions]
+
+
+stamps = []
+
+
+class Clock(TrainerCallback):  # one time stamp at the start and after each optimizer step
+    def on_train_begin(self, *args, **kwargs):
+        stamps.append(time.perf_counter())
+
+    def on_step_end(self, *args, **kwargs):
+        stamps.append(time.perf_counter())
+
+
+args = GRPOConfig(output_dir="/tmp/trl-reference", per_device_train_batch_size=8, gradient_accumulation_steps=4,
+                  num_generations=8, max_completion_length=64, max_steps=steps, learning_rate=2e-5, beta=0.0,
+                  loss_type="grpo", logging_steps=1, save_strategy="no", report_to="none", use_cpu=True)
+trainer = GRPOTrainer(model=model, reward_funcs=reward_len, args=args, callbacks=[Clock()],
+                      train_dataset=load_dataset("json", data_files=prompts, split="train"))
+trainer.train()
+seconds = [b - a for a, b in zip(stamps, stamps[1:])]
+print(json.dumps({"seconds_per_step": seconds, "median": statistics.median(seconds),
+                  "completion_length": [r.get("completions/mean_length") for r in trainer.state.log_history],
+                  "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}))
