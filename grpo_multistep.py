@@ -493,13 +493,13 @@ class GRPOTrainer:
                           f"({self.nonfinite_in_a_row} in a row)", stacklevel=2)
         sums["time_optimizer"] = self.clock() - t2
         self.optimizer.zero_grad(set_to_none=True)
-        metrics = {k: float(self.all_reduce(torch.tensor(v, device=self.device))) for k, v in sums.items()}
+        # Loss, clip counts and KL are summed over ranks; the seconds stay this rank's own.
+        metrics = {k: v if k.startswith("time") else float(self.all_reduce(torch.tensor(v, device=self.device)))
+                   for k, v in sums.items()}
         n_tok = float(batch["num_tokens"])
         metrics.update(grad_norm=float(grad_norm), learning_rate=self.scheduler.get_last_lr()[0],
                        clip_ratio_low=metrics.pop("clip_low") / n_tok, clip_ratio_high=metrics.pop("clip_high") / n_tok,
                        nonfinite_steps=float(not torch.isfinite(grad_norm)))
-        for k in ("time_forward", "time_backward", "time_optimizer"):  # seconds on this rank, not summed
-            metrics[k] = sums[k]
         if "kl" in metrics:
             metrics["kl"] /= n_tok
         return metrics
