@@ -29,7 +29,8 @@ The file reads top to bottom in the order of Algorithm 1:
   6. The μ-iteration loop            GRPOTrainer: generate -> score -> cache -> μ optimizer steps
   7. Checkpoints                     save and resume, bit-identical on CPU
 
-Simplifications, on purpose: generation uses `model.generate` (no vLLM); one generation batch is one
+Simplifications, on purpose: generation is a plain sampling loop with the model's KV cache (no vLLM,
+no `model.generate`: nothing but softmax(logits / T) picks the tokens); one generation batch is one
 optimizer step's batch; data parallelism is a gradient all-reduce (torchrun), no DeepSpeed/FSDP;
 no PEFT; the learning-rate schedule is linear or constant, without warmup.
 """
@@ -54,7 +55,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint
 from datasets import Dataset
-from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PreTrainedModel
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -96,7 +97,7 @@ class GRPOConfig:
     reward_weights: list[float] | None = field(default=None, metadata={"help": "One weight per reward function (None = all 1)."})
     # Speed and memory
     bf16: bool = field(default=False, metadata={"help": "bfloat16 autocast for every model call (fast on GPUs and on CPUs with AMX; slow on others)."})
-    gradient_checkpointing: bool = field(default=False, metadata={"help": "Recompute activations in backward to save memory."})
+    gradient_checkpointing: bool = field(default=False, metadata={"help": "Recompute activations in backward to save memory (the training passes then stop sharing prompts)."})
     # Logging and saving
     logging_steps: int = field(default=10, metadata={"help": "Log averaged metrics every this many optimizer steps."})
     log_completions: bool = field(default=False, metadata={"help": "Print a few prompt/completion/reward rows at each log."})
@@ -169,20 +170,45 @@ def completion_mask(completion_ids, eos_token_id):
 
 @torch.no_grad()
 def generate_completions(model, tokenizer, prompt_ids, prompt_mask, args):
-    """Sample num_generations completions per prompt from exactly softmax(logits / temperature): top-k,
-    top-p and any sampling defaults of the model are switched off, so that the log-probs of section 4
-    describe the distribution that sampled. KV cache on, no grad."""
-    G = args.num_generations
-    gen_config = GenerationConfig(do_sample=True, temperature=args.temperature, top_k=0, top_p=1.0,
-                                  max_new_tokens=args.max_completion_length, use_cache=True,
-                                  pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
-    prompt_ids, prompt_mask = prompt_ids.repeat_interleave(G, 0), prompt_mask.repeat_interleave(G, 0)  # (B·G, P)
-    was_training = model.training
-    model.eval()  # eval mode keeps the KV cache on when gradient checkpointing is enabled
-    out = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=gen_config)
-    model.train(was_training)
-    completion_ids = out[:, prompt_ids.size(1):]                                       # (B·G, C)
-    return prompt_ids, prompt_mask, completion_ids, completion_mask(completion_ids, tokenizer.eos_token_id)
+    """Sample num_generations completions per prompt, one token at a time with the KV cache, from exactly
+    softmax(logits / temperature): no top-k, top-p or other sampling default of the model, so that the
+    log-probs of section 4 describe the distribution that sampled. Returns the prompts repeated G times
+    (B·G, P), the completions (B·G, C) with padding after each one's EOS, and their mask."""
+    G, C = args.num_generations, args.max_completion_length
+    # Prefill once per prompt, not once per completion: the G completions of a prompt share its KV cache.
+    positions = (prompt_mask.cumsum(-1) - 1).clamp(min=0)               # (B, P): left padding shifts nothing
+    out = model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=positions, use_cache=True,
+                logits_to_keep=1)
+    cache = out.cache
+    cache.batch_repeat_interleave(G)
+    logits = out.logits[:, -1].repeat_interleave(G, 0)                  # (B·G, V): next-token logits
+    mask = prompt_mask.repeat_interleave(G, 0)                          # (n, P + t): n rows still sampling
+    position = positions[:, -1:].repeat_interleave(G, 0)                # (n, 1)
+    rows = torch.arange(len(mask), device=mask.device)                  # (n,): which completion each row is
+    completion_ids = torch.full((len(mask), C), tokenizer.pad_token_id, device=mask.device)  # (B·G, C)
+    for t in range(C):
+        token = sample_token(logits, args.temperature)                  # (n,)
+        completion_ids[rows, t] = token
+        going = token != tokenizer.eos_token_id
+        if t == C - 1 or not going.any():
+            break
+        if not going.all():  # finished completions leave the batch: no compute is spent on their padding
+            rows, token, mask, position = rows[going], token[going], mask[going], position[going]
+            cache.batch_select_indices(going.nonzero().squeeze(1))
+        mask, position = torch.cat([mask, torch.ones_like(mask[:, :1])], 1), position + 1
+        logits = model(input_ids=token[:, None], attention_mask=mask, position_ids=position, cache=cache,
+                       use_cache=True).logits[:, -1]                   # (n, V)
+    return (prompt_ids.repeat_interleave(G, 0), prompt_mask.repeat_interleave(G, 0), completion_ids,
+            completion_mask(completion_ids, tokenizer.eos_token_id))
+
+
+def sample_token(logits, temperature):
+    """One token per row from softmax(logits / temperature), by inverse CDF: a uniform number per row,
+    located in the cumulative probabilities (float64, so that rare tokens keep their exact share).
+    torch.multinomial draws one random number per vocabulary entry: 5× slower on this project's CPU."""
+    cdf = (logits.float() / temperature).softmax(-1).double().cumsum(-1)           # (n, V)
+    u = torch.rand(len(cdf), 1, dtype=cdf.dtype, device=cdf.device) * cdf[:, -1:]  # (n, 1)
+    return torch.searchsorted(cdf, u).squeeze(1).clamp(max=cdf.size(1) - 1)         # (n,)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -239,26 +265,46 @@ def group_advantages(rewards, num_generations, scale_rewards="group"):
 # ----------------------------------------------------------------------------------------------------
 # 4. Per-token log-probs: log π(o_t | q, o_<t) for the completion tokens only
 # ----------------------------------------------------------------------------------------------------
-def per_token_logps(model, input_ids, attention_mask, logits_to_keep, temperature, chunk_tokens=256):
-    """Log-probs of the last `logits_to_keep` tokens of input_ids under `model`, from logits divided by
-    the sampling temperature (so that π_old is the distribution that sampled).
+def per_token_logps(model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature,
+                    chunk_tokens=256):
+    """Log-probs (b, C) of the completion tokens under `model`, from logits divided by the sampling
+    temperature (so that π_old is the distribution that sampled).
 
-    Memory: the (B, C, V) logits of a micro-batch are the largest tensor of GRPO on a small model (8 × 64
-    × 49152 floats = 100 MB, and backward needs two more of that size). Here they never exist: the
-    decoder's hidden states of the completion positions go through the LM head `chunk_tokens` tokens at
-    a time, under activation checkpointing, so forward and backward hold one chunk of logits at a time,
-    at the price of running the LM head twice. log p = logit - logsumexp(logits) also avoids a full
-    log_softmax tensor. This assumes logits = lm_head(hidden); GRPOTrainer checks that for its model."""
-    # Positions count real tokens only, so that left padding does not shift them.
-    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)                             # (B, T)
-    hidden = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                                 use_cache=False).last_hidden_state
-    hidden = hidden[:, -logits_to_keep - 1:-1].flatten(0, 1)    # (B·C, H): the state at t predicts token t+1
-    targets = input_ids[:, -logits_to_keep:]                                                # (B, C)
+    Compute: consecutive rows with the same prompt (a group's G completions) run that prompt through
+    the decoder once; their completion tokens attend to its keys and values through the KV cache,
+    gradient included: B·P + B·G·C tokens instead of B·G·(P + C), 44 % fewer for P = C = 64, G = 8.
+    Gradient checkpointing re-runs each layer in backward, which a KV cache cannot survive: with it
+    on, each row runs its prompt and completion in one pass.
+
+    Memory: the (b, C, V) logits are the largest tensor of GRPO on a small model (8 × 64 × 49152 floats
+    = 100 MB, and backward needs two more of that size). Here they never exist: the hidden states go
+    through the LM head `chunk_tokens` tokens at a time, under activation checkpointing, so forward and
+    backward hold one chunk of logits at a time, at the price of running the LM head twice.
+    log p = logit - logsumexp(logits) also avoids a full log_softmax tensor. This assumes logits =
+    lm_head(hidden); GRPOTrainer checks that for its model."""
+    P, decoder = prompt_ids.size(1), model.get_decoder()
+    mask = torch.cat([prompt_mask, completion_mask], 1)                                     # (b, P+C)
+    position_ids = (mask.cumsum(-1) - 1).clamp(min=0)                  # (b, P+C): left padding shifts nothing
+    if model.is_activation_checkpointing:
+        hidden = decoder(input_ids=torch.cat([prompt_ids, completion_ids], 1), attention_mask=mask,
+                         position_ids=position_ids, use_cache=False).last_hidden_state[:, P - 1:-1]  # (b, C, H)
+    else:
+        # A row starts a new prompt where its prompt differs from the row above it.
+        new = torch.ones(len(prompt_ids), dtype=torch.bool, device=prompt_ids.device)     # (b,)
+        new[1:] = ((prompt_ids[1:] != prompt_ids[:-1]) | (prompt_mask[1:] != prompt_mask[:-1])).any(1)
+        prompt_of = new.cumsum(0) - 1                                   # (b,): each row's prompt among the new
+        prompt = decoder(input_ids=prompt_ids[new], attention_mask=prompt_mask[new],
+                         position_ids=position_ids[new, :P], use_cache=True)
+        prompt.cache.batch_select_indices(prompt_of)                   # (b, heads, P, d) keys and values
+        rest = decoder(input_ids=completion_ids, attention_mask=mask, position_ids=position_ids[:, P:],
+                       cache=prompt.cache, use_cache=True).last_hidden_state
+        # The prompt's last state predicts completion token 0; completion token t's state predicts t+1.
+        hidden = torch.cat([prompt.last_hidden_state[prompt_of, -1:], rest[:, :-1]], 1)  # (b, C, H)
+    hidden = hidden.flatten(0, 1)                              # (b·C, H): the state at t predicts token t+1
     lm_head = model.get_output_embeddings()
     chunks = [checkpoint(token_logps, lm_head, h, y, temperature, use_reentrant=False)
-              for h, y in zip(hidden.split(chunk_tokens), targets.flatten().split(chunk_tokens))]
-    return torch.cat(chunks).view_as(targets)                                               # (B, C)
+              for h, y in zip(hidden.split(chunk_tokens), completion_ids.flatten().split(chunk_tokens))]
+    return torch.cat(chunks).view_as(completion_ids)                                        # (b, C)
 
 
 def token_logps(lm_head, hidden, targets, temperature):
@@ -315,8 +361,6 @@ def micro_batches(batch, size):
         for k in ("completion_ids", "completion_mask", "old_logps", "ref_logps"):
             if k in mb:
                 mb[k] = mb[k][:, :c]
-        mb["input_ids"] = torch.cat([mb["prompt_ids"], mb["completion_ids"]], 1)         # (b, p+c)
-        mb["attention_mask"] = torch.cat([mb["prompt_mask"], mb["completion_mask"]], 1)  # (b, p+c)
         yield mb
 
 
@@ -359,7 +403,7 @@ class GRPOTrainer:
             if isinstance(module, torch.nn.Dropout):
                 module.p = 0.0
         if args.gradient_checkpointing:
-            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            self.model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         self.model.train()
         self.tokenizer = load_tokenizer(processing_class, self.model)
         check_logits_are_lm_head(self.model, self.tokenizer)
@@ -453,8 +497,9 @@ class GRPOTrainer:
         for i, mb in enumerate(micro_batches(batch, self.args.per_device_train_batch_size)):
             c, b0 = mb["completion_ids"].size(1), i * self.args.per_device_train_batch_size
             with self.autocast():
-                out[b0:b0 + mb["input_ids"].size(0), :c] = per_token_logps(
-                    model, mb["input_ids"], mb["attention_mask"], c, self.args.temperature)
+                out[b0:b0 + len(mb["completion_ids"]), :c] = per_token_logps(
+                    model, mb["prompt_ids"], mb["prompt_mask"], mb["completion_ids"], mb["completion_mask"],
+                    self.args.temperature)
         return out
 
     # -- One optimizer step on the cached generation batch ---------------------------------------------
@@ -463,9 +508,9 @@ class GRPOTrainer:
         sums = defaultdict(float)
         for mb in micro_batches(batch, args.per_device_train_batch_size):
             t0 = self.clock()
-            c = mb["completion_ids"].size(1)
             with self.autocast():
-                logps = per_token_logps(self.model, mb["input_ids"], mb["attention_mask"], c, args.temperature)
+                logps = per_token_logps(self.model, mb["prompt_ids"], mb["prompt_mask"], mb["completion_ids"],
+                                        mb["completion_mask"], args.temperature)
             old_logps = mb["old_logps"] if args.num_iterations > 1 else logps.detach()
             loss, stats = grpo_loss(logps, old_logps, mb.get("ref_logps"), mb["advantages"], mb["completion_mask"],
                                     args, batch["num_seqs"], batch["num_tokens"])

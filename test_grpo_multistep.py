@@ -52,6 +52,13 @@ def make_model(tokenizer, seed=0):
     return LlamaForCausalLM(config)
 
 
+def plain_logits(model, prompt_ids, prompt_mask, completion_ids, completion_mask):
+    """The model's own logits over prompt + completion: one pass, no cache, no sharing."""
+    mask = torch.cat([prompt_mask, completion_mask], 1)
+    return model(input_ids=torch.cat([prompt_ids, completion_ids], 1), attention_mask=mask,
+                 position_ids=(mask.cumsum(1) - 1).clamp(min=0)).logits                 # (b, P+C, V)
+
+
 def short_is_good(completion_ids, **kwargs):
     """A toy reward a random model can learn: the share of a completion's tokens with an id below 150."""
     return [sum(t < 150 for t in ids) / max(len(ids), 1) for ids in completion_ids]
@@ -91,8 +98,8 @@ def test_mu1_gradient_equals_detached_ratio_gradient_exactly(tmp_path, loss_type
 
     batch, args = trainer.batch, reference.args
     for mb in gm.micro_batches(batch, args.per_device_train_batch_size):
-        logps = per_token_logps(reference.model, mb["input_ids"], mb["attention_mask"],
-                                mb["completion_ids"].size(1), args.temperature)
+        logps = per_token_logps(reference.model, mb["prompt_ids"], mb["prompt_mask"], mb["completion_ids"],
+                                mb["completion_mask"], args.temperature)
         per_token_loss = -torch.exp(logps - logps.detach()) * mb["advantages"][:, None]
         mask = mb["completion_mask"]
         if loss_type == "grpo":
@@ -114,7 +121,7 @@ def test_mu2_first_step_has_ratio_one_and_the_mu1_gradient(tmp_path):
 
     # The cached π_old log-probs equal the first training forward's: ratio exactly 1, nothing clipped.
     batch = trainer_mu2.batch
-    fresh = make_trainer(tmp_path).batch_logps(make_model(make_tokenizer()), batch)
+    fresh = make_trainer(tmp_path).batch_logps(make_model(make_tokenizer()).to(trainer_mu2.device), batch)
     assert torch.equal(batch["old_logps"], fresh)
     for g1, g2 in zip(grads_mu1, grads_mu2):
         assert torch.equal(g1, g2)
@@ -124,7 +131,7 @@ def test_mu2_first_step_has_ratio_one_and_the_mu1_gradient(tmp_path):
 def test_generation_and_cached_logps_happen_once_per_generation_batch(tmp_path, monkeypatch, mu, beta):
     trainer = make_trainer(tmp_path, num_iterations=mu, beta=beta, max_steps=2 * mu)
     calls = {"generate": 0, "policy": 0, "reference": 0, "policy_no_grad": 0}
-    generate, logps = trainer.model.generate, gm.per_token_logps
+    generate, logps = gm.generate_completions, gm.per_token_logps
 
     def counting_generate(*a, **k):
         calls["generate"] += 1
@@ -136,7 +143,7 @@ def test_generation_and_cached_logps_happen_once_per_generation_batch(tmp_path, 
         calls["policy_no_grad"] += who == "policy" and not torch.is_grad_enabled()
         return logps(model, *a, **k)
 
-    trainer.model.generate = counting_generate
+    monkeypatch.setattr(gm, "generate_completions", counting_generate)
     monkeypatch.setattr(gm, "per_token_logps", counting_logps)
     trainer.train()
     micro = trainer.args.gradient_accumulation_steps
@@ -304,10 +311,9 @@ def test_left_padding_does_not_change_log_probs():
     model = make_model(tokenizer)
     ids, mask = gm.tokenize_prompts(tokenizer, ["hello world", "the cat sat on the mat"], None)
     completion = torch.tensor([[40, 50, 60], [40, 50, 60]])
-    padded = per_token_logps(model, torch.cat([ids, completion], 1),
-                             torch.cat([mask, torch.ones_like(completion)], 1), 3, 1.0)
-    alone_ids = torch.tensor([tokenizer("hello world", add_special_tokens=False)["input_ids"] + [40, 50, 60]])
-    alone = per_token_logps(model, alone_ids, torch.ones_like(alone_ids), 3, 1.0)
+    padded = per_token_logps(model, ids, mask, completion, torch.ones_like(completion), 1.0)
+    alone_ids = torch.tensor([tokenizer("hello world", add_special_tokens=False)["input_ids"]])
+    alone = per_token_logps(model, alone_ids, torch.ones_like(alone_ids), completion[:1], torch.ones(1, 3), 1.0)
     assert mask[0, 0] == 0                                                # row 0 really is left-padded
     torch.testing.assert_close(padded[0], alone[0], rtol=0, atol=1e-5)
 
@@ -319,12 +325,83 @@ def test_lean_chunked_log_probs_equal_log_softmax_of_tempered_logits(temperature
     tokenizer = make_tokenizer()
     model = make_model(tokenizer)
     ids = torch.randint(2, len(tokenizer), (3, 10))
-    lean = per_token_logps(model, ids, torch.ones_like(ids), 4, temperature, chunk_tokens=5)
+    lean = per_token_logps(model, ids[:, :6], torch.ones(3, 6), ids[:, 6:], torch.ones(3, 4), temperature,
+                           chunk_tokens=5)
     lean.sum().backward()
     lean_grads = [p.grad.clone() for p in model.parameters()]
     model.zero_grad()
     logits = model(input_ids=ids).logits[:, -5:-1] / temperature
     plain = logits.log_softmax(-1).gather(-1, ids[:, -4:, None]).squeeze(-1)
+    plain.sum().backward()
+    torch.testing.assert_close(lean, plain, rtol=0, atol=1e-5)
+    for a, p in zip(lean_grads, model.parameters()):
+        torch.testing.assert_close(a, p.grad, rtol=1e-4, atol=1e-6)
+
+
+def test_sampling_draws_tokens_with_the_probabilities_of_the_tempered_softmax():
+    logits = torch.tensor([[2.0, 0.0, -1.0, -3.0, -math.inf]]).expand(200_000, -1)
+    torch.manual_seed(0)
+    freq = torch.bincount(gm.sample_token(logits, 0.7), minlength=5) / len(logits)
+    torch.testing.assert_close(freq, (logits[0] / 0.7).softmax(-1), rtol=0, atol=3e-3)  # 5 σ at 200k draws
+    assert freq[-1] == 0                                         # a token of probability 0 is never drawn
+
+
+def test_generation_shares_each_prompts_cache_and_samples_from_the_plain_forward_pass(monkeypatch):
+    """generate_completions prefills each prompt once for its G completions and drops the completions
+    that ended; still, at every step it samples from the logits that a plain forward pass over prompt
+    + completion-so-far gives, and after each EOS comes padding."""
+    tokenizer = make_tokenizer()
+    model = make_model(tokenizer)
+    ids, mask = gm.tokenize_prompts(tokenizer, ["hello world", "the cat sat on the mat"], None)  # left-padded
+    seen, rows_in, sample = [], [], gm.sample_token
+
+    def sample_and_end_the_first_row(logits, temperature):
+        seen.append(logits.clone())
+        token = sample(logits, temperature)
+        token[token == tokenizer.eos_token_id] = 2  # no completion ends by chance, and
+        token[0] = tokenizer.eos_token_id           # the first one still going ends: completion t at step t
+        return token
+
+    monkeypatch.setattr(gm, "sample_token", sample_and_end_the_first_row)
+    model.get_input_embeddings().register_forward_hook(lambda module, inputs, out: rows_in.append(inputs[0].shape))
+    args = GRPOConfig(num_generations=3, max_completion_length=8, temperature=0.7)
+    out = gm.generate_completions(model, tokenizer, ids, mask, args)
+    prompt_ids, prompt_mask, completion_ids, completion_mask = out
+
+    assert torch.equal(prompt_ids, ids.repeat_interleave(3, 0))
+    assert torch.equal(prompt_mask, mask.repeat_interleave(3, 0))
+    assert completion_mask.sum(1).tolist() == [1, 2, 3, 4, 5, 6]
+    assert (completion_ids[completion_mask == 0] == tokenizer.pad_token_id).all()
+    assert rows_in == [ids.shape] + [(n, 1) for n in (5, 4, 3, 2, 1)]  # 2 prompts, then only unfinished rows
+    plain = plain_logits(model, prompt_ids, prompt_mask, completion_ids, completion_mask)
+    for t, logits in enumerate(seen):
+        going = completion_mask[:, t].bool()
+        torch.testing.assert_close(logits, plain[going, ids.size(1) - 1 + t], rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_the_completions_of_a_prompt_share_its_forward_pass_and_get_the_plain_log_probs(checkpointing):
+    """per_token_logps runs each prompt once for its group (not with gradient checkpointing, which cannot
+    keep a KV cache), and gives the log-probs and gradients of the plain log_softmax of the logits."""
+    tokenizer = make_tokenizer()
+    model = make_model(tokenizer)
+    if checkpointing:
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    ids, mask = gm.tokenize_prompts(tokenizer, ["hello world", "the cat sat on the mat"], None)
+    prompt_ids, prompt_mask = ids.repeat_interleave(3, 0), mask.repeat_interleave(3, 0)       # 2 groups of 3
+    completion_ids = torch.randint(2, len(tokenizer), (6, 5))
+    completion_mask = torch.ones_like(completion_ids)
+    completion_mask[1, 3:] = completion_mask[4, 1:] = 0                                        # ended early
+    rows_in = []
+    hook = model.get_input_embeddings().register_forward_hook(lambda m, inputs, out: rows_in.append(len(inputs[0])))
+    lean = per_token_logps(model, prompt_ids, prompt_mask, completion_ids, completion_mask, 0.7) * completion_mask
+    lean.sum().backward()
+    hook.remove()
+    assert rows_in == ([6] if checkpointing else [2, 6])   # shared: the 2 prompts, then the 6 completions
+    lean_grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    logits = plain_logits(model, prompt_ids, prompt_mask, completion_ids, completion_mask)[:, ids.size(1) - 1:-1]
+    plain = (logits / 0.7).log_softmax(-1).gather(-1, completion_ids[..., None]).squeeze(-1) * completion_mask
     plain.sum().backward()
     torch.testing.assert_close(lean, plain, rtol=0, atol=1e-5)
     for a, p in zip(lean_grads, model.parameters()):
