@@ -205,7 +205,7 @@ def generate_completions(model, tokenizer, prompt_ids, prompt_mask, args):
 def sample_token(logits, temperature):
     """One token per row from softmax(logits / temperature), by inverse CDF: a uniform number per row,
     located in the cumulative probabilities (float64, so that rare tokens keep their exact share).
-    torch.multinomial draws one random number per vocabulary entry: 5× slower on this project's CPU."""
+    torch.multinomial draws one random number per vocabulary entry: 4× slower on this project's CPU."""
     cdf = (logits.float() / temperature).softmax(-1).double().cumsum(-1)           # (n, V)
     u = torch.rand(len(cdf), 1, dtype=cdf.dtype, device=cdf.device) * cdf[:, -1:]  # (n, 1)
     return torch.searchsorted(cdf, u).squeeze(1).clamp(max=cdf.size(1) - 1)         # (n,)
