@@ -147,7 +147,7 @@ def prompt_texts(tokenizer, prompts):
 
 def tokenize_prompts(tokenizer, texts, max_prompt_length):
     """Left-truncate each prompt to max_prompt_length tokens and left-pad the batch, so that every
-    completion starts at the same column and `generate` appends to the real end of each prompt."""
+    completion starts at the same column, right after the real end of its prompt."""
     ids = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
     if max_prompt_length is not None and any(len(x) > max_prompt_length for x in ids):
         warnings.warn(f"some prompts are longer than max_prompt_length={max_prompt_length} tokens; "
@@ -157,6 +157,11 @@ def tokenize_prompts(tokenizer, texts, max_prompt_length):
     input_ids = torch.tensor([[tokenizer.pad_token_id] * (width - len(x)) + x for x in ids])  # (B, P)
     attention_mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in ids])       # (B, P)
     return input_ids, attention_mask
+
+
+def position_ids(attention_mask):
+    """Positions that count real tokens only, so that left padding shifts nothing. (B, T)."""
+    return (attention_mask.cumsum(-1) - 1).clamp(min=0)
 
 
 def completion_mask(completion_ids, eos_token_id):
@@ -176,7 +181,7 @@ def generate_completions(model, tokenizer, prompt_ids, prompt_mask, args):
     (B·G, P), the completions (B·G, C) with padding after each one's EOS, and their mask."""
     G, C = args.num_generations, args.max_completion_length
     # Prefill once per prompt, not once per completion: the G completions of a prompt share its KV cache.
-    positions = (prompt_mask.cumsum(-1) - 1).clamp(min=0)               # (B, P): left padding shifts nothing
+    positions = position_ids(prompt_mask)                               # (B, P)
     out = model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=positions, use_cache=True,
                 logits_to_keep=1)
     cache = out.cache
@@ -284,19 +289,19 @@ def per_token_logps(model, prompt_ids, prompt_mask, completion_ids, completion_m
     lm_head(hidden); GRPOTrainer checks that for its model."""
     P, decoder = prompt_ids.size(1), model.get_decoder()
     mask = torch.cat([prompt_mask, completion_mask], 1)                                     # (b, P+C)
-    position_ids = (mask.cumsum(-1) - 1).clamp(min=0)                  # (b, P+C): left padding shifts nothing
+    positions = position_ids(mask)                                                          # (b, P+C)
     if model.is_activation_checkpointing:
         hidden = decoder(input_ids=torch.cat([prompt_ids, completion_ids], 1), attention_mask=mask,
-                         position_ids=position_ids, use_cache=False).last_hidden_state[:, P - 1:-1]  # (b, C, H)
+                         position_ids=positions, use_cache=False).last_hidden_state[:, P - 1:-1]  # (b, C, H)
     else:
         # A row starts a new prompt where its prompt differs from the row above it.
         new = torch.ones(len(prompt_ids), dtype=torch.bool, device=prompt_ids.device)     # (b,)
         new[1:] = ((prompt_ids[1:] != prompt_ids[:-1]) | (prompt_mask[1:] != prompt_mask[:-1])).any(1)
         prompt_of = new.cumsum(0) - 1                                   # (b,): each row's prompt among the new
         prompt = decoder(input_ids=prompt_ids[new], attention_mask=prompt_mask[new],
-                         position_ids=position_ids[new, :P], use_cache=True)
+                         position_ids=positions[new, :P], use_cache=True)
         prompt.cache.batch_select_indices(prompt_of)                   # (b, heads, P, d) keys and values
-        rest = decoder(input_ids=completion_ids, attention_mask=mask, position_ids=position_ids[:, P:],
+        rest = decoder(input_ids=completion_ids, attention_mask=mask, position_ids=positions[:, P:],
                        cache=prompt.cache, use_cache=True).last_hidden_state
         # The prompt's last state predicts completion token 0; completion token t's state predicts t+1.
         hidden = torch.cat([prompt.last_hidden_state[prompt_of, -1:], rest[:, :-1]], 1)  # (b, C, H)
