@@ -53,7 +53,7 @@ from dataclasses import dataclass, field
 import huggingface_hub
 import torch
 import torch.distributed as dist
-from torch.utils.checkpoint import checkpoint
+import torch.nn.functional as F
 from datasets import Dataset
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
@@ -283,10 +283,10 @@ def per_token_logps(model, prompt_ids, prompt_mask, completion_ids, completion_m
 
     Memory: the (b, C, V) logits are the largest tensor of GRPO on a small model (8 × 64 × 49152 floats
     = 100 MB, and backward needs two more of that size). Here they never exist: the hidden states go
-    through the LM head `chunk_tokens` tokens at a time, under activation checkpointing, so forward and
-    backward hold one chunk of logits at a time, at the price of running the LM head twice.
-    log p = logit - logsumexp(logits) also avoids a full log_softmax tensor. This assumes logits =
-    lm_head(hidden); GRPOTrainer checks that for its model."""
+    through the LM head `chunk_tokens` tokens at a time (TokenLogps), so forward and backward hold one
+    chunk of logits at a time, at the price of running the LM head twice. log p = logit - logsumexp
+    also avoids a full log_softmax tensor. This assumes logits = lm_head(hidden); GRPOTrainer checks
+    that for its model."""
     P, decoder = prompt_ids.size(1), model.get_decoder()
     mask = torch.cat([prompt_mask, completion_mask], 1)                                     # (b, P+C)
     positions = position_ids(mask)                                                          # (b, P+C)
@@ -307,14 +307,37 @@ def per_token_logps(model, prompt_ids, prompt_mask, completion_ids, completion_m
         hidden = torch.cat([prompt.last_hidden_state[prompt_of, -1:], rest[:, :-1]], 1)  # (b, C, H)
     hidden = hidden.flatten(0, 1)                              # (b·C, H): the state at t predicts token t+1
     lm_head = model.get_output_embeddings()
-    chunks = [checkpoint(token_logps, lm_head, h, y, temperature, use_reentrant=False)
+    chunks = [TokenLogps.apply(h, y, temperature, lm_head.weight, lm_head.bias)
               for h, y in zip(hidden.split(chunk_tokens), completion_ids.flatten().split(chunk_tokens))]
     return torch.cat(chunks).view_as(completion_ids)                                        # (b, C)
 
 
-def token_logps(lm_head, hidden, targets, temperature):
-    logits = lm_head(hidden).float() / temperature                                     # (n, V): one chunk
-    return logits.gather(-1, targets[:, None]).squeeze(-1) - logits.logsumexp(-1)     # (n,)
+class TokenLogps(torch.autograd.Function):
+    """log π(y) = z_y - logsumexp(z) with z = (h Wᵀ + b) / T, for one chunk of n tokens. Forward keeps h
+    and logsumexp(z), never the (n, V) logits; backward computes them again and turns them, in place,
+    into the gradient of a log-softmax:  ∂ log π(y) / ∂z = onehot(y) - softmax(z)."""
+
+    @staticmethod
+    def forward(ctx, hidden, targets, temperature, weight, bias):             # hidden (n, H), targets (n,)
+        dev = hidden.device.type  # bf16 autocast, if on, must run the head in backward as in forward
+        ctx.autocast = dict(device_type=dev, dtype=torch.get_autocast_dtype(dev), enabled=torch.is_autocast_enabled(dev))
+        logits = F.linear(hidden, weight, bias).float().div_(temperature)                     # (n, V): z
+        lse = logits.logsumexp(-1)                                                              # (n,)
+        ctx.save_for_backward(hidden, targets, weight, bias, lse)
+        ctx.temperature = temperature
+        return logits.gather(-1, targets[:, None]).squeeze(-1) - lse                            # (n,)
+
+    @staticmethod
+    def backward(ctx, grad):                                                  # grad (n,): ∂loss / ∂log π(y)
+        hidden, targets, weight, bias, lse = ctx.saved_tensors
+        with torch.autocast(**ctx.autocast):
+            logits = F.linear(hidden, weight, bias).float()                                     # (n, V)
+        grad_z = logits.div_(ctx.temperature).sub_(lse[:, None]).exp_().mul_(-grad[:, None])  # -softmax(z)·grad
+        grad_z.scatter_add_(1, targets[:, None], grad[:, None])                    # + onehot(y)·grad
+        grad_logits = grad_z.div_(ctx.temperature).to(weight.dtype)                # ∂z/∂logits = 1/T
+        grad_weight = grad_logits.T @ hidden.to(weight.dtype) if ctx.needs_input_grad[3] else None
+        grad_bias = grad_logits.sum(0) if bias is not None and ctx.needs_input_grad[4] else None
+        return (grad_logits @ weight).to(hidden.dtype), None, None, grad_weight, grad_bias
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -318,24 +318,46 @@ def test_left_padding_does_not_change_log_probs():
     torch.testing.assert_close(padded[0], alone[0], rtol=0, atol=1e-5)
 
 
-@pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_lean_chunked_log_probs_equal_log_softmax_of_tempered_logits(temperature):
-    """The lean path (hidden states -> LM head in checkpointed chunks of 5 tokens -> logit - logsumexp)
-    gives the log-probs and the gradients of the plain log_softmax of the model's tempered logits."""
+@pytest.mark.parametrize("temperature,bias", [(1.0, False), (0.7, False), (0.7, True)])
+def test_lean_chunked_log_probs_equal_log_softmax_of_tempered_logits(temperature, bias):
+    """The lean path (hidden states -> LM head in chunks of 5 tokens -> logit - logsumexp, and a
+    hand-written backward, onehot(y) - softmax(z)) gives the log-probs and the gradients of the plain
+    log_softmax of the model's tempered logits, for any weight of each token in the loss."""
     tokenizer = make_tokenizer()
     model = make_model(tokenizer)
+    if bias:  # an LM head with a bias (GPT-2-style heads have none, but the backward must not drop it)
+        model.lm_head.bias = torch.nn.Parameter(torch.randn(len(tokenizer)))
     ids = torch.randint(2, len(tokenizer), (3, 10))
+    weights = torch.randn(3, 4)  # ∂loss/∂log π of each token: the backward must scale each row of its own
     lean = per_token_logps(model, ids[:, :6], torch.ones(3, 6), ids[:, 6:], torch.ones(3, 4), temperature,
                            chunk_tokens=5)
-    lean.sum().backward()
+    (lean * weights).sum().backward()
     lean_grads = [p.grad.clone() for p in model.parameters()]
     model.zero_grad()
     logits = model(input_ids=ids).logits[:, -5:-1] / temperature
     plain = logits.log_softmax(-1).gather(-1, ids[:, -4:, None]).squeeze(-1)
-    plain.sum().backward()
+    (plain * weights).sum().backward()
     torch.testing.assert_close(lean, plain, rtol=0, atol=1e-5)
     for a, p in zip(lean_grads, model.parameters()):
         torch.testing.assert_close(a, p.grad, rtol=1e-4, atol=1e-6)
+
+
+def test_the_lm_head_backward_reruns_the_head_under_the_bf16_autocast_of_its_forward():
+    """bf16=True runs per_token_logps under autocast. TokenLogps's backward must compute a chunk's logits
+    again in bfloat16, as its forward did, or its softmax would not be that of the log-probs it returned
+    (large logits make the bf16 rounding, up to 0.25 here, move the softmax by several percent)."""
+    torch.manual_seed(0)
+    hidden, weight = torch.randn(6, 16, requires_grad=True), (10 * torch.randn(50, 16)).requires_grad_()
+    targets, weights = torch.randint(50, (6,)), torch.randn(6)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        lean = gm.TokenLogps.apply(hidden, targets, 0.7, weight, None)
+        logits = torch.nn.functional.linear(hidden, weight).float() / 0.7         # bf16 products, as bf16=True
+        plain = logits.log_softmax(-1).gather(-1, targets[:, None]).squeeze(-1)
+    torch.testing.assert_close(lean, plain, rtol=0, atol=1e-5)
+    lean_grads = torch.autograd.grad((lean * weights).sum(), (hidden, weight))
+    plain_grads = torch.autograd.grad((plain * weights).sum(), (hidden, weight))
+    for a, b in zip(lean_grads, plain_grads):  # autograd's backward multiplies in bf16, TokenLogps in float32
+        torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2 * b.abs().max().item())
 
 
 def test_sampling_draws_tokens_with_the_probabilities_of_the_tempered_softmax():
