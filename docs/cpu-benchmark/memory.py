@@ -1,0 +1,128 @@
+"""Where the memory goes: peak resident memory (RSS) by phase of an optimizer step, on Linux.
+
+    python docs/cpu-benchmark/memory.py [STEPS] [train_tldr.py flags ...]
+
+Runs `train_tldr.py` on the benchmark's μ = 1, β = 0 configuration for STEPS optimizer steps (default
+3; extra flags are passed on, e.g. `--gradient_checkpointing True`), with
+- a thread that reads the process's RSS every 2 ms and keeps the highest value of each phase
+  (generate, old/ref log-probs, forward, backward, optimizer; "between" is everything else);
+- the bytes of the tensors that autograd saves for backward in each training forward (the
+  activations of one micro-batch; weights excluded, they exist anyway);
+- the memory that glibc's allocator holds free in its heap at the end of each phase (`mallinfo2`),
+  i.e. freed by torch, most of it still resident (glibc gives back only the top of its heap), where
+  the C library is glibc.
+It prints one line per step, then the floor that no activation is part of: the imports' RSS before
+the model is loaded, and the bytes of weights, gradients and AdamW's two moments."""
+import ctypes
+import functools
+import os
+import sys
+import threading
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+import grpo_multistep  # noqa: E402
+import train_tldr  # noqa: E402
+
+GIB = 2**30
+PAGE = os.sysconf("SC_PAGE_SIZE")
+phase = ["between"]
+peak, heap_free, saved, weight_bytes = {}, {}, [], [0]
+
+
+def rss():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * PAGE
+
+
+def sample():  # the highest RSS seen in each phase
+    while True:
+        label = phase[0]
+        peak[label] = max(peak.get(label, 0), rss())
+        time.sleep(0.002)
+
+
+try:
+    libc = ctypes.CDLL("libc.so.6")
+
+    class Mallinfo2(ctypes.Structure):
+        _fields_ = [(n, ctypes.c_size_t) for n in
+                    "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()]
+    libc.mallinfo2.restype = Mallinfo2
+except (OSError, AttributeError):  # not glibc (or older than 2.33): no heap figure
+    libc = None
+
+
+def in_phase(owner, name, label):
+    """Wrap owner.name so that its calls count as `label` (a call inside another phase keeps that one)."""
+    f = getattr(owner, name)
+
+    @functools.wraps(f)
+    def wrapped(*args, **kwargs):
+        outer = phase[0]
+        phase[0] = label if outer == "between" else outer
+        try:
+            return f(*args, **kwargs)
+        finally:
+            time.sleep(0.005)  # let the sampler see the end of the phase
+            if libc is not None and phase[0] == label:
+                heap_free[label] = max(heap_free.get(label, 0), libc.mallinfo2().fordblks)
+            phase[0] = outer
+    setattr(owner, name, wrapped)
+
+
+def count_saved(f):
+    """per_token_logps with a count of the bytes autograd saves for backward (each storage once)."""
+    @functools.wraps(f)
+    def wrapped(model, *args, **kwargs):
+        weights = {p.untyped_storage().data_ptr() for p in model.parameters()}  # saved as views too
+        storages = {}
+
+        def pack(t):
+            if t.untyped_storage().data_ptr() not in weights:
+                storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = f(model, *args, **kwargs)
+        if torch.is_grad_enabled():
+            saved.append(sum(storages.values()))
+        return out
+    return wrapped
+
+
+class Trainer(train_tldr.Trainer):
+    def log(self, metrics):
+        super().log(metrics)
+        phases = " ".join(f"{k} {v / GIB:.2f}" for k, v in peak.items())
+        line = f"step {metrics['step']}: peak RSS GiB by phase: {phases}; activations of a micro-batch " \
+               f"{max(saved, default=0) / GIB:.3f} GiB"
+        if heap_free:
+            line += "; glibc free heap GiB: " + " ".join(f"{k} {v / GIB:.2f}" for k, v in heap_free.items())
+        print(line, flush=True)
+        peak.clear(), heap_free.clear(), saved.clear()
+        weight_bytes[0] = sum(p.numel() * p.element_size() for p in self.model.parameters())
+
+
+def main(argv):
+    steps = int(argv[0]) if argv and argv[0].isdigit() else 3
+    flags = argv[1:] if argv and argv[0].isdigit() else argv
+    print(f"RSS of the imports, before the model: {rss() / GIB:.2f} GiB")
+    grpo_multistep.per_token_logps = count_saved(grpo_multistep.per_token_logps)
+    in_phase(grpo_multistep, "generate_completions", "generate")
+    in_phase(grpo_multistep.GRPOTrainer, "batch_logps", "logps")
+    in_phase(grpo_multistep, "per_token_logps", "forward")
+    in_phase(torch.Tensor, "backward", "backward")
+    in_phase(torch.optim.AdamW, "step", "optimizer")
+    threading.Thread(target=sample, daemon=True).start()
+    train_tldr.Trainer = Trainer
+    benchmark = {**train_tldr.BENCHMARK, "num_iterations": 1, "beta": 0.0, "logging_steps": 1,
+                 "max_steps": steps, "output_dir": "/tmp/grpo-memory"}
+    train_tldr.main(["--preset=cpu", *[f"--{k}={v}" for k, v in benchmark.items()], *flags])
+    w = weight_bytes[0] / GIB
+    print(f"weights {w:.2f} GiB, gradients {w:.2f} GiB, AdamW's two moments {2 * w:.2f} GiB: {4 * w:.2f} GiB")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
