@@ -1,5 +1,5 @@
-"""TRL's own GRPOTrainer on the benchmark's configuration and prompts: the comparison in the README's
-performance section. Not part of the project, and not run by its tests; it needs TRL, in a venv of its own:
+"""TRL's own GRPOTrainer on the benchmark's configuration and prompts: the comparison in
+docs/performance.md. Not part of the project, and not run by its tests; it needs TRL, in a venv of its own:
 
     python3 -m venv /tmp/trl && . /tmp/trl/bin/activate && pip install torch==2.13.0 trl==1.16.0
     python docs/trl_reference.py PROMPTS.jsonl MODEL_FOLDER STEPS
@@ -46,7 +46,7 @@ class Clock(TrainerCallback):  # one time stamp at the start and after each opti
 args = GRPOConfig(output_dir="/tmp/trl-reference", per_device_train_batch_size=8, gradient_accumulation_steps=4,
                   num_generations=8, max_completion_length=64, max_steps=steps, learning_rate=2e-5, beta=0.0,
                   loss_type="grpo", logging_steps=1, save_strategy="no", report_to="none", use_cpu=True,
-                  bf16=False, gradient_checkpointing=False)  # TRL 1.16 defaults both to True; the issue's is float32
+                  bf16=False, gradient_checkpointing=False)  # TRL 1.16 defaults both to True; the comparison is float32
 trainer = GRPOTrainer(model=model, reward_funcs=reward_len, args=args, callbacks=[Clock()],
                       train_dataset=load_dataset("json", data_files=prompts, split="train").map(last_64_tokens))
 trainer.train()

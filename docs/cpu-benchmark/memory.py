@@ -112,7 +112,7 @@ def main(argv):
     print(f"RSS of the imports, before the model: {rss() / GIB:.2f} GiB")
     grpo_multistep.per_token_logps = count_saved(grpo_multistep.per_token_logps)
     in_phase(grpo_multistep, "generate_completions", "generate")
-    in_phase(grpo_multistep.GRPOTrainer, "batch_logps", "logps")
+    in_phase(grpo_multistep, "cached_logps", "logps")
     in_phase(grpo_multistep, "per_token_logps", "forward")
     in_phase(torch.Tensor, "backward", "backward")
     in_phase(torch.optim.AdamW, "step", "optimizer")

@@ -1,4 +1,4 @@
-"""The small measurements behind the README's performance notes, on this machine's CPU:
+"""The small measurements behind docs/performance.md, on this machine's CPU:
 
     python docs/cpu-benchmark/probes.py
 

@@ -1,5 +1,5 @@
 """A SmolLM2-135M-Instruct of random weights, with the real config and tokenizer, for timing runs on a
-machine that the real weights cannot reach (the GPU benchmark in the README).
+machine that the real weights cannot reach (the GPU benchmark in docs/performance.md).
 
     python docs/gpu-benchmark/random_smollm2.py FOLDER [SOURCE]
 

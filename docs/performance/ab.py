@@ -1,0 +1,58 @@
+"""A/B timing of whole versions of the project, side by side in one session.
+
+    python docs/performance/ab.py [--steps 4] [--rounds 1] LABEL=FOLDER [LABEL=FOLDER ...]
+
+Each FOLDER is a checkout of the project (for example `git worktree add /tmp/before <commit>`).
+Each round runs every folder once, in turn, in a fresh process, on the μ = 1, β = 0 configuration
+of `train_tldr.py --benchmark` (SmolLM2-135M-Instruct in float32, 4 prompts × 8 completions per
+optimizer step, 64-token prompts and completions). It prints, per folder, the median seconds per
+optimizer step (steps after the first), each phase's median, and the peak RSS of the process.
+"""
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+
+FLAGS = ("--preset cpu --per_device_train_batch_size 8 --gradient_accumulation_steps 4 --max_prompt_length 64 "
+         "--max_completion_length 64 --log_completions False --num_iterations 1 --beta 0 --logging_steps 1")
+PHASES = ("generate", "forward", "backward", "optimizer")
+
+
+def run(folder, steps, out):
+    cmd = [sys.executable, "train_tldr.py", *FLAGS.split(), "--max_steps", str(steps), "--output_dir", out]
+    subprocess.run(cmd, cwd=folder, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        records = [json.loads(line) for line in f]
+    walls = [b["elapsed"] - a["elapsed"] for a, b in zip(records, records[1:])]  # step 1 warms up
+    return {"step": walls, **{p: [r[f"time_{p}"] for r in records[1:]] for p in PHASES},
+            "rss": max(r["peak_rss_gib"] for r in records)}
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("versions", nargs="+", help="LABEL=FOLDER")
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=1)
+    opts = parser.parse_args()
+    versions = dict(v.split("=", 1) for v in opts.versions)
+    results = {label: {"step": [], **{p: [] for p in PHASES}, "rss": []} for label in versions}
+    for r in range(opts.rounds):
+        for label, folder in versions.items():
+            with tempfile.TemporaryDirectory() as out:
+                got = run(os.path.abspath(folder), opts.steps, out)
+            for k, v in got.items():
+                results[label][k] += v if isinstance(v, list) else [v]
+            print(f"round {r + 1} {label}: " + ", ".join(f"{s:.1f}" for s in got["step"]) + f" s/step, "
+                  f"peak RSS {got['rss']:.2f} GiB", flush=True)
+    print("\n| version | s/step (median) | " + " | ".join(PHASES) + " | peak RSS GiB (max) |")
+    print("|---|---|" + "---|" * len(PHASES) + "---|")
+    for label, r in results.items():
+        print(f"| {label} | {statistics.median(r['step']):.1f} | "
+              + " | ".join(f"{statistics.median(r[p]):.2f}" for p in PHASES) + f" | {max(r['rss']):.2f} |")
+
+
+if __name__ == "__main__":
+    main()
