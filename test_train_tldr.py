@@ -73,6 +73,18 @@ def table_rows(md_file):
     return lines[2:]  # after the header and the |---| line
 
 
+def table_columns(md_file):
+    """{header: [the rows' cells]} of the markdown table in md_file."""
+    lines = [line for line in open(md_file).read().splitlines() if line.startswith("|")]
+    cells = [[c.strip() for c in line.strip("|").split("|")] for line in lines[:1] + lines[2:]]
+    return {h: [row[i] for row in cells[1:]] for i, h in enumerate(cells[0])}
+
+
+def sweep_points(folder):
+    with open(os.path.join(folder, "sweep.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
 def is_png(path):
     with open(path, "rb") as f:
         return f.read(8) == b"\x89PNG\r\n\x1a\n"
@@ -87,6 +99,7 @@ def test_single_run_logs_every_step_and_reports(tiny, tmp_path, capsys):
     assert [r["step"] for r in records] == [1, 2]
     assert all(r["peak_rss_gib"] > 0 and "rewards/reward_len" in r for r in records)
     assert len(table_rows(tmp_path / "run" / "rewards.md")) == 1 and is_png(tmp_path / "run" / "rewards.png")
+    assert [(p["mu"], p["seed"], p["step"]) for p in sweep_points(tmp_path / "run")] == [(1, 42, 1), (1, 42, 2)]
     assert "preset cpu (chosen with --preset)" in capsys.readouterr().out
 
 
@@ -94,10 +107,50 @@ def test_sweep_gives_each_mu_a_folder_a_table_row_and_a_line(tiny, tmp_path):
     assert train_tldr.main(args(tiny, tmp_path / "sweep", "--sweep", "1", "2")) == 0
     for mu in (1, 2):
         assert [r["step"] for r in metrics(tmp_path / "sweep" / f"μ={mu}")] == [1, 2]
-    rows = table_rows(tmp_path / "sweep" / "μ=1,2" / "rewards.md")
-    assert [row.split("|")[1].strip() for row in rows] == ["1", "2"]
-    assert [row.split("|")[5].strip() for row in rows] == ["2", "1"]  # generation batches: μ=2 reuses its one
+    columns = table_columns(tmp_path / "sweep" / "μ=1,2" / "rewards.md")
+    assert columns["μ"] == ["1", "2"] and columns["seeds"] == ["1", "1"]
+    assert columns["generation batches"] == ["2", "1"]  # μ=2 reuses its one
     assert is_png(tmp_path / "sweep" / "μ=1,2" / "rewards.png")
+
+
+def test_seeded_sweep_logs_every_point_on_three_clocks_and_predicts_the_step_cost(tiny, tmp_path):
+    argv = args(tiny, tmp_path / "sweep", "--sweep", "1", "2", "--seeds", "2", "--max_steps", "4")
+    assert train_tldr.main(argv) == 0
+    folder = tmp_path / "sweep" / "μ=1,2-seeds=42-43"
+    points = sweep_points(folder)
+    keys = {"mu", "seed", "step", "generated_completions", "elapsed", "reward", "clip_ratio_low", "clip_ratio_high",
+            "step_seconds"}
+    assert len(points) == 16 and all(keys <= p.keys() for p in points)
+    run = lambda mu, seed: [p for p in points if (p["mu"], p["seed"]) == (mu, seed)]
+    for mu in (1, 2):
+        for seed in (42, 43):  # the same seeds for every μ, each run in a folder of its own
+            assert [p["step"] for p in run(mu, seed)] == [r["step"] for r in metrics(
+                tmp_path / "sweep" / f"μ={mu}-seed={seed}")] == [1, 2, 3, 4]
+    # 8 completions per generation batch (2 prompts × 4), generated at steps 1 and 3 with μ = 2
+    assert [p["generated_completions"] for p in run(2, 43)] == [8, 8, 16, 16]
+    assert [p["generated_completions"] for p in run(1, 42)] == [8, 16, 24, 32]
+    assert run(2, 42)[1]["reward"] == run(2, 42)[0]["reward"]  # carried over the reuse step
+    assert is_png(folder / "rewards.png")
+    columns = table_columns(folder / "rewards.md")
+    assert columns["μ"] == ["1", "2"] and columns["seeds"] == ["2", "2"]
+    measured, predicted = columns["T(μ)/T(1) measured"], columns["T(μ)/T(1) predicted"]
+    assert measured[0] == predicted[0] == "1" and float(measured[1]) > 0 and 0.5 < float(predicted[1]) < 2
+    assert "±" in columns["final reward (mean of last 3 logged), mean ± sd over seeds"][0]
+    assert columns["clip fraction, reuse steps"][0] == "—" and float(columns["clip fraction, reuse steps"][1]) >= 0
+
+
+def test_each_log_is_one_line_written_through_tqdm(tiny, tmp_path, capsys, monkeypatch):
+    written, write = [], train_tldr.tqdm.write
+    monkeypatch.setattr(train_tldr.tqdm, "write", lambda s, **kw: (written.append(s), write(s, **kw))[1])
+    argv = args(tiny, tmp_path / "run", "--num_iterations", "2", "--log_completions", "True")
+    assert train_tldr.main(argv) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("step")]
+    assert lines == [s for s in written if s.startswith("step")] and len(lines) == 2
+    assert "reward" in lines[0] and "reward" not in lines[1]  # step 2 reuses step 1's generation batch
+    assert all(" clip " in s and s.endswith(" s/step") and "|" not in s and "\r" not in s for s in lines)
+    assert sum(s.startswith("  [reward") for s in written) == 4  # step 1's samples, not again at step 2
+    assert [r["step"] for r in metrics(tmp_path / "run")] == [1, 2]  # the metrics are all in the file
+    assert {"loss", "grad_norm", "time_forward"} <= metrics(tmp_path / "run")[0].keys()
 
 
 def test_target_reward_stops_once_the_recent_mean_reaches_it(tiny, tmp_path, capsys):
@@ -137,7 +190,7 @@ def test_resume_from_a_folder_that_is_no_checkpoint_is_an_error(tiny, tmp_path):
 
 
 def test_preset_values_are_defaults_that_flags_override():
-    config, opts = train_tldr.parse_args(["--preset", "seed", "--max_steps", "3", "--target-chars", "20"])
+    config, opts = train_tldr.parse_args(["--preset", "pr2899", "--max_steps", "3", "--target-chars", "20"])
     assert (config.max_steps, config.beta, config.temperature, config.num_generations) == (3, 0.04, 0.9, 8)
     assert (opts.model, opts.dataset, opts.target_chars) == ("Qwen/Qwen2.5-0.5B", "trl-lib/tldr", 20)
     assert config.output_dir == "Qwen2.5-0.5B-GRPO-2899-μ={mu}"
@@ -147,6 +200,7 @@ def test_preset_values_are_defaults_that_flags_override():
     (["--epsilon", "2"], "epsilon=2.0 must lie in (0, 1)"),
     (["--no_such_flag", "1"], "--no_such_flag"),
     (["--sweep", "0"], "--sweep values must be >= 1"),
+    (["--seeds", "0"], "--seeds must be >= 1"),
     (["--sweep", "1", "--benchmark"], "not allowed with argument"),
 ])
 def test_bad_flags_are_usage_errors(argv, message, capsys):
@@ -202,7 +256,7 @@ def offline(monkeypatch):
 @pytest.mark.parametrize("argv, name", [
     (lambda tiny, out: args(tiny, out, "--model", "someone/some-model"), "model 'someone/some-model'"),
     (lambda tiny, out: args(tiny, out, "--dataset", "someone/some-dataset"), "dataset 'someone/some-dataset'"),
-    (lambda tiny, out: ["--preset", "seed"], "model 'Qwen/Qwen2.5-0.5B'"),  # the seed's model, from the hub
+    (lambda tiny, out: ["--preset", "pr2899"], "model 'Qwen/Qwen2.5-0.5B'"),  # TRL PR #2899's model, from the hub
 ])
 def test_hub_id_while_offline_fails_in_seconds_naming_the_offline_preset(tiny, tmp_path, offline, argv, name):
     start = time.perf_counter()

