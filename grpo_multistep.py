@@ -41,7 +41,7 @@ def arg(default, help):  # a field and its --help text (train_tldr.py makes ever
 @dataclass
 class GRPOConfig:
     """TRL's names. An optimizer step takes per_device_train_batch_size × gradient_accumulation_steps ×
-    world_size completions (÷ num_generations prompts), generated for once every num_iterations (μ) steps."""
+    world_size completions (that many / G prompts), generated for once every num_iterations (μ) steps."""
     output_dir: str = arg("grpo-output", "Where metrics, checkpoints and the final model go.")
     overwrite_output_dir: bool = arg(False, "Start afresh in an output_dir that holds another run "
                                             "(its checkpoints and metrics.jsonl are deleted first).")
@@ -332,7 +332,7 @@ class TokenLogps(torch.autograd.Function):
         return logits.gather(-1, targets[:, None]).squeeze(-1) - lse                        # (n,)
 
     @staticmethod
-    def backward(ctx, grad):                                                 # grad (n,): ∂loss / ∂log π(y)
+    def backward(ctx, grad):                                  # grad (n,): ∂loss / ∂log π(y)
         hidden, targets, weight, bias, lse = ctx.saved_tensors
         with torch.autocast(**ctx.autocast):
             logits = F.linear(hidden, weight, bias).float()                                 # (n, V)
