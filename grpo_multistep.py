@@ -18,11 +18,11 @@ Part I is the algorithm, in the order of Algorithm 1; Part II, the engineering i
 Left out on purpose: vLLM and `model.generate` (a plain sampling loop is exactly the distribution that the
 log-probs describe), DeepSpeed and FSDP (a gradient all-reduce serves models that fit one GPU), PEFT, warmup.
 """
-import copy, functools, json, math, numbers, os, random, shutil, signal, socket, threading, time, typing
-import urllib.parse, warnings
+import copy, functools, json, math, numbers, os, random, shutil, signal, ssl, threading, time, typing
+import urllib.error, urllib.request, warnings
 from collections import defaultdict
 from collections.abc import Mapping
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager, nullcontext, suppress
 from dataclasses import asdict, dataclass, field
 
 import huggingface_hub
@@ -100,9 +100,10 @@ def completion_mask(completion_ids, eos_token_id):
     return (positions[None, :] <= first_eos[:, None]).long()                          # (B, C)
 
 def sample_token(logits, temperature):  # one token per row from exactly softmax(logits / T): (n, V) -> (n,)
-    cdf = (logits.float() / temperature).softmax(-1).double().cumsum(-1)  # by inverse CDF: one uniform
-    u = torch.rand(len(cdf), 1, dtype=cdf.dtype, device=cdf.device) * cdf[:, -1:]  # number per row, not
-    return torch.searchsorted(cdf, u, right=True).squeeze(1).clamp(max=cdf.size(1) - 1)  # per entry
+    # By inverse CDF: one uniform number per row, where torch.multinomial draws one per vocabulary entry
+    cdf = (logits.float() / temperature).softmax(-1).double().cumsum(-1)                  # (n, V)
+    u = torch.rand(len(cdf), 1, dtype=cdf.dtype, device=cdf.device) * cdf[:, -1:]       # (n, 1)
+    return torch.searchsorted(cdf, u, right=True).squeeze(1).clamp(max=cdf.size(1) - 1)
 
 @torch.no_grad()
 def generate_completions(model, tokenizer, prompt_ids, prompt_mask, args):
@@ -175,8 +176,9 @@ def grpo_loss(logps, old_logps, ref_logps, advantages, mask, args, num_seqs, num
     coef_1 = torch.exp(logps - old_logps)                                  # ratio ρ = π_θ / π_old
     coef_2 = torch.clamp(coef_1, 1 - args.epsilon, 1 + args.epsilon_high)  # clip(ρ, 1 - ε, 1 + ε_high)
     per_token_loss = -torch.min(coef_1 * A, coef_2 * A)                    # -min(ρA, clip(ρ)A)
-    # The clip is a trust region: where ρ has left [1 - ε, 1 + ε_high] in the direction A pushes it, min()
-    # picks the constant clip(ρ)A and the token's gradient is 0, so μ steps on one batch can't go far.
+    # Where ρ has left [1 - ε, 1 + ε_high] in the direction A pushes it, min() picks the constant clip(ρ)A:
+    # that token's policy term stops pushing, which keeps μ steps on one batch near π_old (a soft trust
+    # region: the KL term and the other tokens, through shared weights, still move it).
     if args.beta > 0:                                                      # + β · KL_k3(π_θ ‖ π_ref)
         per_token_kl = torch.exp(ref_logps - logps) - (ref_logps - logps) - 1  # k3 estimator, >= 0
         per_token_loss = per_token_loss + args.beta * per_token_kl
@@ -244,7 +246,7 @@ class GRPOTrainer:
                 self.model, self.tokenizer, prompt_ids.to(self.device), prompt_mask.to(self.device), args)
         lap(self, None)
         # 3. The reward functions see text: each prompt, repeated G times, beside its completions.
-        ids = [row[:n].tolist() for row, n in zip(completion_ids, mask.sum(1))]  # up to the first EOS
+        ids = [row[:n] for row, n in zip(completion_ids.tolist(), mask.sum(1).tolist())]  # to the first EOS
         texts = self.tokenizer.batch_decode(ids, skip_special_tokens=True)
         chat = not isinstance(prompts[0], str)
         completions = [[{"role": "assistant", "content": t}] for t in texts] if chat else texts
@@ -312,48 +314,40 @@ def shared_prompt_hidden_states(model, prompt_ids, prompt_mask, completion_ids, 
     # The prompt's last state predicts completion token 0; completion token t's state predicts t+1.
     return torch.cat([prompt.last_hidden_state[prompt_of, -1:], rest[:, :-1]], 1)          # (b, C, H)
 
-# The LM head, chunk by chunk. log π(y) = z_y - logsumexp(z) with z = (h Wᵀ + b) / T. Forward keeps h and
-# logsumexp(z), never the (n, V) logits; backward computes them again and turns them, in place, into the
-# gradient of a log-softmax, ∂ log π(y) / ∂z = onehot(y) - softmax(z). Against a plain checkpointed
-# logsumexp/gather it saves 0.27 GiB of peak RSS and 5 % of a step (docs/performance.md, speed tricks).
-CHUNK = 256  # tokens per chunk: 256 × 49152 logits = 50 MB for SmolLM2
-
+# The LM head, CHUNK tokens at a time: log π(y) = z_y - logsumexp(z), z = (h Wᵀ + b) / T. Forward keeps h
+# and logsumexp(z), never the (n, V) logits; backward computes them again and turns them, in place, into
+# the gradient of a log-softmax, onehot(y) - softmax(z). Against a checkpointed logsumexp/gather: 0.27 GiB
+# less peak RSS and 5 % less step time (docs/performance.md). 256 × 49152 logits = 50 MB for SmolLM2.
+CHUNK = 256
 
 class TokenLogps(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, targets, temperature, weight, bias):            # hidden (n, H), targets (n,)
-        dev = hidden.device.type  # bf16 autocast, if on, must run the head in backward as in forward
-        ctx.autocast = dict(device_type=dev, dtype=torch.get_autocast_dtype(dev),
-                            enabled=torch.is_autocast_enabled(dev))
         logits = F.linear(hidden, weight, bias).float().div_(temperature)                 # (n, V): z
         lse = logits.logsumexp(-1)                                                          # (n,)
         ctx.save_for_backward(hidden, targets, weight, bias, lse)
-        ctx.temperature = temperature
+        ctx.temperature, ctx.bf16 = temperature, torch.is_autocast_enabled(hidden.device.type)
         return logits.gather(-1, targets[:, None]).squeeze(-1) - lse                        # (n,)
 
     @staticmethod
-    def backward(ctx, grad):                                  # grad (n,): ∂loss / ∂log π(y)
+    def backward(ctx, grad):                                  # grad (n,): d loss / d log π(y)
         hidden, targets, weight, bias, lse = ctx.saved_tensors
-        with torch.autocast(**ctx.autocast):
+        with torch.autocast(hidden.device.type, torch.bfloat16, enabled=ctx.bf16):  # as in forward
             logits = F.linear(hidden, weight, bias).float()                                 # (n, V)
         grad_z = logits.div_(ctx.temperature).sub_(lse[:, None]).exp_().mul_(-grad[:, None])  # -softmax·grad
         grad_z.scatter_add_(1, targets[:, None], grad[:, None])                # + onehot(y)·grad
-        grad_logits = grad_z.div_(ctx.temperature).to(weight.dtype)            # ∂z/∂logits = 1/T
+        grad_logits = grad_z.div_(ctx.temperature).to(weight.dtype)            # dz/dlogits = 1/T
         grad_weight = grad_logits.T @ hidden.to(weight.dtype) if ctx.needs_input_grad[3] else None
         grad_bias = grad_logits.sum(0) if bias is not None and ctx.needs_input_grad[4] else None
         return (grad_logits @ weight).to(hidden.dtype), None, None, grad_weight, grad_bias
 
-
 @torch.no_grad()  # π_old or π_ref: micro-batch by micro-batch as the training passes, so ratio 1 is exact
 def cached_logps(t, model, batch):
-    size = t.args.per_device_train_batch_size
-    out = torch.zeros(batch["completion_ids"].shape, device=t.device)
-    for i, mb in enumerate(micro_batches(batch, size)):
-        with autocast(t):
-            logps = per_token_logps(model, mb["prompt_ids"], mb["prompt_mask"], mb["completion_ids"],
-                                    mb["completion_mask"], t.args.temperature)                 # (b, c)
-        out[i * size:i * size + len(logps), :logps.size(1)] = logps
-    return out                                                                                 # (N, C)
+    with autocast(t):
+        logps = [per_token_logps(model, mb["prompt_ids"], mb["prompt_mask"], mb["completion_ids"],
+                                 mb["completion_mask"], t.args.temperature)                   # (b, c) each
+                 for mb in micro_batches(batch, t.args.per_device_train_batch_size)]
+    return torch.cat([F.pad(x, (0, batch["completion_ids"].size(1) - x.size(1))) for x in logps])  # (N, C)
 
 # Micro-batches, each cut to its longest prompt and completion (padding costs compute, changes nothing).
 def micro_batches(batch, size):
@@ -393,13 +387,16 @@ def autocast(t):  # bf16: every model call under bfloat16 autocast; the loss and
 # step's normalizers, so the sum of the ranks' gradients is the step's gradient: DDP's job, whose hooks
 # would miss the LM head that per_token_logps calls apart from the model's forward.
 def init_distributed():
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    local_rank, cuda = int(os.environ.get("LOCAL_RANK", 0)), torch.cuda.is_available()
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ and not dist.is_initialized():
-        if torch.cuda.is_available():  # before any collective: NCCL runs on the current device
-            torch.cuda.set_device(local_rank)
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        if cuda and local_rank >= torch.cuda.device_count():  # before CUDA's "invalid device ordinal"
+            raise ValueError(f"LOCAL_RANK={local_rank} but {torch.cuda.device_count()} GPUs are visible: "
+                             "run torchrun with --nproc_per_node at most the number of GPUs")
+        if cuda:
+            torch.cuda.set_device(local_rank)  # before any collective: NCCL uses the current device
+        dist.init_process_group("nccl" if cuda else "gloo")
     rank, world_size = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-    return rank, world_size, torch.device(f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")
+    return rank, world_size, torch.device(f"cuda:{local_rank}" if cuda else "cpu")
 
 def all_reduce(t, x):  # sum over ranks, in place (nothing to do in one process)
     if t.world_size > 1:
@@ -430,7 +427,7 @@ def batch_metrics(t, rewards_per_func, rewards, mask):
          "completion_length": mask.sum(1).float().mean()}
     m.update({f"rewards/{getattr(f, '__name__', i)}": rewards_per_func[:, i].nanmean()
               for i, f in enumerate(t.reward_funcs)})
-    means = all_reduce(t, torch.stack(list(m.values())).float().to(t.device)) / t.world_size
+    means = all_reduce(t, torch.stack([v.float().to(t.device) for v in m.values()])) / t.world_size
     return dict(zip(m, means.tolist()))
 
 def step_metrics(t, sums, grad_norm, num_tokens):
@@ -439,14 +436,14 @@ def step_metrics(t, sums, grad_norm, num_tokens):
     t.nonfinite_in_a_row = 0 if finite else t.nonfinite_in_a_row + 1
     if not finite:
         warnings.warn(f"step {t.step + 1}: non-finite loss or gradient norm ({float(grad_norm)}); step "
-                      f"skipped ({t.nonfinite_in_a_row} in a row)", stacklevel=2)
+                      f"skipped ({t.nonfinite_in_a_row} in a row)", stacklevel=3)
     return {"loss": s["loss"], "grad_norm": float(grad_norm), "learning_rate": t.scheduler.get_last_lr()[0],
             **({"kl": s["kl"] / n} if "kl" in s else {}), "clip_ratio_low": s["clip_low"] / n,
             "clip_ratio_high": s["clip_high"] / n, "nonfinite_steps": float(not finite)}
 
 def end_of_step(t, metrics):  # log every logging_steps, checkpoint every save_steps, stop on trouble
     t.rng_at_last_step = rng_state()  # first: what a checkpoint of this finished step must hold
-    lap(t, None)                      # the update is done: from here on a signal may stop at once
+    lap(t, None)                      # the update is done; a signal that came is acted on below
     metrics.update({f"time_{k}": v for k, v in t.seconds.items()})
     args, t.seconds = t.args, dict.fromkeys(PHASES, 0.0)
     if t.nonfinite_in_a_row >= 3:
@@ -459,15 +456,15 @@ def end_of_step(t, metrics):  # log every logging_steps, checkpoint every save_s
         if t.flat_in_a_row == 3:
             warnings.warn(f"step {t.step}: every group's rewards were equal for 3 generation batches in a "
                           "row, so the gradient is 0. The policy may have collapsed: a learning rate too "
-                          "high, or a temperature too low, makes all completions alike", stacklevel=2)
+                          "high, or a temperature too low, makes all completions alike", stacklevel=3)
     for k, v in metrics.items():
         t.window[k].append(v)
     if t.step % args.logging_steps == 0 or t.step == args.max_steps:
         t.log({"step": t.step, **{k: sum(v) / len(v) for k, v in t.window.items()},
                "elapsed": time.perf_counter() - t.start_time})
         t.window.clear()
-    # log() may ask to stop (a target reached); a signal that came mid-update, or under torchrun, stops
-    # here, all ranks at once.
+    # log() may ask to stop (a target reached); a signal that came outside the model's passes, or under
+    # torchrun, stops here, all ranks at once.
     flags = [float(t.should_stop), float(t.signal == signal.SIGTERM), float(t.signal == signal.SIGINT)]
     stop, term, interrupt = all_reduce(t, torch.tensor(flags, device=t.device)).tolist()
     t.should_stop = stop > 0
@@ -477,13 +474,14 @@ def end_of_step(t, metrics):  # log every logging_steps, checkpoint every save_s
         save_checkpoint(t)
 
 def write_metrics(t, metrics):
-    if t.rank == 0:
-        with open(os.path.join(t.args.output_dir, "metrics.jsonl"), "a") as f:
-            f.write(json.dumps(metrics) + "\n")
-        print(" | ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in metrics.items()))
-        for prompt, completion, reward in t.samples[:4] if t.args.log_completions else []:
-            prompt = prompt if isinstance(prompt, str) else prompt[-1]["content"]  # a chat's last turn
-            print(f"  [reward {reward:+.3f}] {prompt[-60:]!r} -> {completion[:100]!r}")
+    if t.rank != 0:
+        return
+    with open(os.path.join(t.args.output_dir, "metrics.jsonl"), "a") as f:
+        f.write(json.dumps(metrics) + "\n")
+    print(" | ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in metrics.items()))
+    for prompt, completion, reward in t.samples[:4] if t.args.log_completions else []:
+        prompt = prompt if isinstance(prompt, str) else prompt[-1]["content"]  # a chat's last turn
+        print(f"  [reward {reward:+.3f}] {prompt[-60:]!r} -> {completion[:100]!r}")
 
 # Checkpoints: output_dir/checkpoint-<step>, written atomically, loaded without running code, resumed
 # bit-identically on CPU. Ctrl-C, SIGTERM (then exit status 143) or an error out of a step checkpoint the
@@ -495,20 +493,19 @@ def every_rank(error):  # an error that every rank raises at the same point: saf
     error.on_every_rank = True
     return error
 
-def start_run(t, resume_from_checkpoint):
-    out = t.args.output_dir
+def start_run(t, resume_from_checkpoint):  # resume, or start afresh where it loses no other run's files
+    out, metrics = t.args.output_dir, os.path.join(t.args.output_dir, "metrics.jsonl")
+    earlier = list_checkpoints(out) + ([metrics] if os.path.exists(metrics) else [])
     if resume_from_checkpoint:
         load_checkpoint(t, resume_from_checkpoint)
+    elif earlier and not t.args.overwrite_output_dir:
+        names = ", ".join(map(os.path.basename, earlier))
+        raise ValueError(f"output_dir {out!r} holds another run ({names}): resume it with train("
+                         "resume_from_checkpoint=True), choose another output_dir, or set "
+                         "overwrite_output_dir=True to delete it and start afresh")
     else:
-        metrics = os.path.join(out, "metrics.jsonl")
-        earlier = list_checkpoints(out) + ([metrics] if os.path.exists(metrics) else [])
-        if earlier and not t.args.overwrite_output_dir:
-            names = ", ".join(map(os.path.basename, earlier))
-            raise ValueError(f"output_dir {out!r} holds another run ({names}): resume it with train("
-                             "resume_from_checkpoint=True), choose another output_dir, or set "
-                             "overwrite_output_dir=True to delete it and start afresh")
         for path in earlier if t.rank == 0 else []:
-            shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+            (shutil.rmtree if os.path.isdir(path) else os.remove)(path)
         random.seed(t.args.seed + t.rank)
         torch.manual_seed(t.args.seed + t.rank)  # the same prompts on every rank, different samples
     t.rng_at_last_step, t.window, t.start_time = rng_state(), defaultdict(list), time.perf_counter()
@@ -516,9 +513,9 @@ def start_run(t, resume_from_checkpoint):
 
 @contextmanager
 def checkpoint_on_failure(t):
-    def on_signal(signum, frame):  # stop now; mid-update (and under torchrun) once the step is done
-        t.signal = signum
-        if t.world_size == 1 and t.phase != "optimizer":
+    def on_signal(signum, frame):  # stop at once only inside the model's passes, or at a second signal;
+        pending, t.signal = t.signal, signum  # else, and under torchrun, at the end of the step
+        if t.world_size == 1 and t.phase != "optimizer" and (t.phase is not None or pending is not None):
             raise Terminated() if signum == signal.SIGTERM else KeyboardInterrupt()
     main = threading.current_thread() is threading.main_thread()  # the only thread that can set handlers
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)} if main else {}
@@ -538,19 +535,18 @@ def checkpoint_on_failure(t):
 def save_checkpoint(t):  # with every rank's RNG states and, inside a μ cycle, its cached generation batch
     batch = t.batch if t.step % t.args.num_iterations else None  # inside a μ cycle
     mine = {"rng": rng_state(), "samples": t.samples, "batch": batch}
-    ranks = [mine] if t.world_size == 1 else [None] * t.world_size
+    ranks = [mine] * t.world_size
     if t.world_size > 1:
         dist.all_gather_object(ranks, mine)
     if t.rank == 0:
         final, keep = os.path.join(t.args.output_dir, f"checkpoint-{t.step}"), t.args.save_total_limit
         shutil.rmtree(final + ".tmp", ignore_errors=True)
         t.model.save_pretrained(final + ".tmp")
-        torch.save({"step": t.step, "optimizer": t.optimizer.state_dict(), "config": asdict(t.args),
-                    "lr_step": t.scheduler.last_epoch, "world_size": t.world_size, "ranks": ranks,
-                    "nonfinite_in_a_row": t.nonfinite_in_a_row},
-                   os.path.join(final + ".tmp", "trainer_state.pt"))
-        if os.path.isdir(final):  # re-saving a step: swap, so that a complete one exists at every moment
-            os.replace(final, final + ".old")
+        torch.save({"step": t.step, "optimizer": t.optimizer.state_dict(), "lr_step": t.scheduler.last_epoch,
+                    "config": asdict(t.args), "world_size": t.world_size, "ranks": ranks,
+                    "nonfinite_in_a_row": t.nonfinite_in_a_row}, f"{final}.tmp/trainer_state.pt")
+        if os.path.isdir(final):
+            os.replace(final, final + ".old")  # re-saving: complete at every moment
         os.replace(final + ".tmp", final)  # atomic: a checkpoint folder is complete or absent
         shutil.rmtree(final + ".old", ignore_errors=True)
         for old in list_checkpoints(t.args.output_dir)[:-keep] if keep else []:
@@ -558,10 +554,14 @@ def save_checkpoint(t):  # with every rank's RNG states and, inside a μ cycle, 
     if t.world_size > 1:
         dist.barrier()  # no rank goes on (or resumes) before the checkpoint exists
 
+SHAPE = ("num_iterations", "num_generations", "per_device_train_batch_size", "gradient_accumulation_steps",
+         "world_size")  # what a checkpoint's cached batch, prompt order and RNG states depend on
+CACHED = ("temperature", "beta", "scale_rewards", "reward_weights")  # what a cached batch was made with
+
 def load_checkpoint(t, path):
     args, found = t.args, list_checkpoints(t.args.output_dir) if path is True else [path]
     if not found:
-        raise ValueError(f"resume_from_checkpoint=True but {args.output_dir!r} holds no checkpoint-<step>")
+        raise ValueError(f"resume_from_checkpoint=True but {args.output_dir!r} holds no checkpoint")
     path, file = found[-1], os.path.join(found[-1], "trainer_state.pt")
     if not os.path.isfile(file):
         raise ValueError(f"resume_from_checkpoint={path!r} is not a checkpoint: no trainer_state.pt in it")
@@ -570,34 +570,30 @@ def load_checkpoint(t, path):
     except Exception as e:
         raise ValueError(f"{file} holds objects other than tensors and plain values (it could run code)"
                          if "Weights only load failed" in str(e) else f"{file} is corrupted ({e})") from e
-    shape = ("num_iterations", "num_generations", "per_device_train_batch_size",
-             "gradient_accumulation_steps")
-    then, now = ({**{k: c[k] for k in shape}, "world_size": w}
-                 for c, w in ((state["config"], state["world_size"]), (asdict(args), t.world_size)))
-    if then != now:
-        diff = {k: (v, now[k]) for k, v in then.items() if now[k] != v}
-        raise ValueError(f"checkpoint {path!r} was written with a different batch shape (checkpoint, now): "
-                         f"{diff}")
-    stale = [k for k in ("temperature", "beta") if state["config"][k] != getattr(args, k)]
-    if stale and state["ranks"][t.rank]["batch"] is not None:
+    then = {**state["config"], "world_size": state["world_size"]}
+    now = {**asdict(args), "world_size": t.world_size}
+    diff = {k: (then[k], now[k]) for k in SHAPE if then[k] != now[k]}
+    if diff:
+        raise ValueError(f"checkpoint {path!r} was written with a different batch shape (then, now): {diff}")
+    mine = state["ranks"][t.rank]
+    stale = [k for k in CACHED if then[k] != now[k]]
+    if stale and mine["batch"] is not None:
         raise ValueError(f"checkpoint {path!r} is inside a μ cycle whose cached batch was made with other "
                          f"{stale}: resume with its values, or from a checkpoint at a cycle boundary")
-    changed = [f"{k} {v!r} -> {getattr(args, k)!r}" for k, v in state["config"].items()
-               if k not in ("output_dir", "overwrite_output_dir") and getattr(args, k) != v]
+    changed = [f"{k} {v!r} -> {now.get(k)!r}" for k, v in then.items()
+               if v != now.get(k) and k not in ("output_dir", "overwrite_output_dir")]
     if changed:
         warnings.warn(f"resuming {path!r} with another config; the new values apply: {', '.join(changed)}")
     if state["step"] >= args.max_steps:
         warnings.warn(f"checkpoint {path!r} is at step {state['step']} and max_steps={args.max_steps}: "
                       "nothing is left to train; the checkpoint and the final model are saved again")
-    loaded = AutoModelForCausalLM.from_pretrained(path, dtype=next(t.model.parameters()).dtype)
-    t.model.load_state_dict(loaded.state_dict())
+    t.model.load_state_dict(AutoModelForCausalLM.from_pretrained(path, dtype=t.model.dtype).state_dict())
     t.optimizer.load_state_dict(state["optimizer"])
     for group in t.optimizer.param_groups:  # the config's learning rate and weight decay apply
         group.update(initial_lr=args.learning_rate, weight_decay=args.weight_decay)
+    decay = t.scheduler.lr_lambdas[0]  # rebuilt at the schedule's own step: skipped steps don't count
+    t.scheduler = torch.optim.lr_scheduler.LambdaLR(t.optimizer, decay, last_epoch=state["lr_step"] - 1)
     t.step, t.nonfinite_in_a_row = state["step"], state["nonfinite_in_a_row"]
-    decay, lr_step = t.scheduler.lr_lambdas[0], state["lr_step"]  # steps skipped as non-finite don't count
-    t.scheduler = torch.optim.lr_scheduler.LambdaLR(t.optimizer, decay, last_epoch=lr_step - 1)
-    mine = state["ranks"][t.rank]
     t.batch, t.samples = mine["batch"], mine["samples"]
     set_rng_state(mine["rng"])
 
@@ -615,7 +611,8 @@ def list_checkpoints(output_dir):  # complete ones, oldest first; one left as .o
     names = os.listdir(output_dir) if os.path.isdir(output_dir) else []
     for n in names:
         if n.endswith(".old") and n[:-4] not in names:
-            os.replace(os.path.join(output_dir, n), os.path.join(output_dir, n[:-4]))
+            with suppress(FileNotFoundError):  # another rank put it back first
+                os.replace(os.path.join(output_dir, n), os.path.join(output_dir, n[:-4]))
     steps = {int(n[11:].removesuffix(".old")) for n in names
              if n.startswith("checkpoint-") and n[11:].removesuffix(".old").isdigit()}
     return [os.path.join(output_dir, f"checkpoint-{s}") for s in sorted(steps)]
@@ -624,15 +621,16 @@ def list_checkpoints(output_dir):  # complete ones, oldest first; one left as .o
 def check_config(c):
     if isinstance(c.scale_rewards, bool):  # TRL's older boolean form
         c.scale_rewards = "group" if c.scale_rewards else "none"
-    for name, hint in typing.get_type_hints(GRPOConfig).items():  # strings (YAML's "1e-5") are converted
+    for name, hint in typing.get_type_hints(GRPOConfig).items():
         value, kinds = getattr(c, name), typing.get_args(hint) or (hint,)
         kind, optional = typing.get_origin(kinds[0]) or kinds[0], type(None) in kinds
-        if isinstance(value, str) and kind in (int, float, bool):
-            words = {"true": True, "false": False} if kind is bool else {"none": None} if optional else {}
-            try:
-                value = words[value.lower()] if value.lower() in words else kind(value)
-            except ValueError:
-                raise ValueError(f"GRPOConfig.{name}={value!r} is not a {kind.__name__}") from None
+        if isinstance(value, str) and kind in (int, float, bool):  # from a command line or YAML ("1e-5")
+            words = {"true": True, "false": False, "none": None}
+            if value.lower() in words:
+                value = words[value.lower()]
+            elif kind is not bool:
+                with suppress(ValueError):  # else it stays a string, refused just below
+                    value = kind(value)
         value = float(value) if kind is float and type(value) is int else value
         if not (value is None and optional or isinstance(value, kind) and (kind, type(value)) != (int, bool)):
             what = "an int" if kind is int else kind.__name__
@@ -659,37 +657,38 @@ def check_config(c):
 def check_inputs(args, reward_funcs, dataset):
     per_step = args.per_device_train_batch_size * args.gradient_accumulation_steps
     if per_step % args.num_generations:
-        raise ValueError(f"per_device_train_batch_size × gradient_accumulation_steps = {per_step} "
-                         f"completions per optimizer step (per device) is not divisible by num_generations="
+        raise ValueError(f"per_device_train_batch_size × gradient_accumulation_steps = {per_step} completions"
+                         f" per optimizer step (per device) is not divisible by num_generations="
                          f"{args.num_generations}; each prompt's whole group must be in the same step")
     funcs = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
-    if not funcs or not all(callable(f) for f in funcs):
+    if not funcs or not all(map(callable, funcs)):
         raise TypeError(f"reward_funcs must be a function or a non-empty list of them, got {reward_funcs!r}")
     if args.reward_weights is not None and len(args.reward_weights) != len(funcs):
         raise ValueError(f"GRPOConfig.reward_weights has {len(args.reward_weights)} weights for {len(funcs)} "
                          "reward functions; give one weight per function")
-    try:
+    with suppress(OSError):
         os.makedirs(args.output_dir, exist_ok=True)
-        assert os.access(args.output_dir, os.W_OK)
-    except (OSError, AssertionError):
-        raise ValueError(f"output_dir {args.output_dir!r} is not a folder this process can write") from None
+    if not (os.path.isdir(args.output_dir) and os.access(args.output_dir, os.W_OK)):
+        raise ValueError(f"output_dir {args.output_dir!r} is not a folder this process can write")
     return funcs, check_dataset(dataset)
 
 def check_dataset(dataset):  # a map-style datasets.Dataset, or a list of rows like {"prompt": ...}
-    if isinstance(dataset, list) and not all(isinstance(row, dict) and "prompt" in row for row in dataset):
-        raise ValueError("train_dataset as a list must hold rows like {'prompt': ...}, each with a 'prompt'")
-    if not isinstance(dataset, (list, Dataset)):
-        raise TypeError(f"train_dataset must be a map-style datasets.Dataset with a 'prompt' column (prompts "
-                        f"are drawn by index: no streaming), got {type(dataset).__name__}")
-    rows = isinstance(dataset, list)
-    columns = (list(dataset[0]) if dataset else ["prompt"]) if rows else dataset.column_names
-    if "prompt" not in columns:
-        raise ValueError(f"train_dataset has no 'prompt' column (columns: {columns})")
-    for c in set(columns) & {"prompts", "completions", "completion_ids"}:
-        raise ValueError(f"train_dataset's column {c!r} is named like a reward function argument: rename it")
-    prompts = [row["prompt"] for row in dataset] if rows else dataset["prompt"]
-    if len(prompts) == 0:
+    rows = isinstance(dataset, list) and all(isinstance(row, dict) for row in dataset)
+    if not (rows or isinstance(dataset, Dataset)):
+        raise TypeError("train_dataset must be a map-style datasets.Dataset (prompts are drawn by index: no "
+                        f"streaming), or a list of rows like {{'prompt': ...}}; got {type(dataset).__name__}")
+    if len(dataset) == 0:
         raise ValueError("train_dataset is empty")
+    columns = set(dataset[0]) if rows else set(dataset.column_names)
+    if rows and any(set(row) != columns for row in dataset):  # from_list would drop keys the first row lacks
+        raise ValueError(f"train_dataset's rows must all have the keys of its first row, {sorted(columns)}")
+    if "prompt" not in columns:
+        raise ValueError(f"train_dataset has no 'prompt' column (columns: {sorted(columns)})")
+    taken = sorted(columns & {"prompts", "completions", "completion_ids"})
+    if taken:
+        raise ValueError(f"train_dataset's columns {taken} are named like reward function arguments: "
+                         "rename them")
+    prompts = [row["prompt"] for row in dataset] if rows else dataset["prompt"]
     for i, p in enumerate(prompts):
         chat = isinstance(p, list) and p and all(isinstance(m, dict) and {"role", "content"} <= set(m)
                                                  for m in p)
@@ -716,25 +715,29 @@ def call_reward(f, kwargs):  # f's rewards as a float32 column, NaN for None; el
         values = f(**kwargs)
     except Exception as e:
         raise RuntimeError(f"reward function {name!r} raised {type(e).__name__}: {e}") from e
-    if isinstance(values, (Mapping, str)):
+    if isinstance(values, (Mapping, str)) or not hasattr(values, "__len__"):
         raise TypeError(f"reward function {name!r} returned a {type(values).__name__}; it must return a list "
                         "with one number (or None) per completion")
-    if not hasattr(values, "__len__") or len(values) != len(completions):
-        got = len(values) if hasattr(values, "__len__") else type(values).__name__
-        raise ValueError(f"reward function {name!r} returned {got} values for {len(completions)} "
+    if len(values) != len(completions):
+        raise ValueError(f"reward function {name!r} returned {len(values)} values for {len(completions)} "
                          "completions; it must return one number (or None) per completion")
     for i, v in enumerate(values):
-        number = isinstance(v, numbers.Real) or isinstance(v, torch.Tensor) and v.numel() == 1
-        if v is not None and (isinstance(v, bool) or not number):
+        scalar = torch.is_tensor(v) and v.numel() == 1
+        if v is not None and not (isinstance(v, numbers.Real) and not isinstance(v, bool) or scalar):
             raise TypeError(f"reward function {name!r} returned {v!r} ({type(v).__name__}) for completion "
                             f"{i}; rewards must be numbers (or None)")
-        if v is not None and not torch.tensor(float(v), dtype=torch.float32).isfinite():  # 1e39: inf in fp32
-            raise ValueError(f"reward function {name!r} returned {float(v)} for completion {i} "
-                             f"({completions[i]!r:.80}); rewards must be finite in float32 (None: n/a)")
-    return torch.tensor([math.nan if v is None else float(v) for v in values], dtype=torch.float32)
+    column = torch.tensor([math.nan if v is None else float(v) for v in values], dtype=torch.float32)
+    overflow = [i for i, v in enumerate(values) if v is not None and not column[i].isfinite()]  # 1e39: inf
+    if overflow:
+        i = overflow[0]
+        raise ValueError(f"reward function {name!r} returned {float(values[i])} for completion {i} "
+                         f"({completions[i]!r:.80}); rewards must be finite in float32 (None: n/a)")
+    return column
 
 def check_scored(rewards_per_func, completions):
-    for i in rewards_per_func.isnan().all(1).nonzero()[:1, 0].tolist():
+    unscored = rewards_per_func.isnan().all(1).nonzero()[:, 0].tolist()
+    if unscored:
+        i = unscored[0]
         raise ValueError(f"every reward function returned None for completion {i} ({completions[i]!r:.80}); "
                          "at least one must score each completion")
     return rewards_per_func
@@ -751,10 +754,12 @@ def load_policy(model, processing_class, args, device):
     for m in model.modules():  # no dropout: the same weights must give the same log-probs (π_old = π_θ)
         if isinstance(m, torch.nn.Dropout):
             m.p = 0.0
-        if isinstance(getattr(m, "attention_dropout", None), float):  # the attention's functional dropout
-            m.attention_dropout = 0.0
+        if isinstance(getattr(m, "attention_dropout", None), float):
+            m.attention_dropout = 0.0  # functional
     if args.gradient_checkpointing:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    if processing_class is None and not model.config._name_or_path:
+        raise ValueError("the model was built in memory, so it names no tokenizer: pass processing_class")
     tokenizer = processing_class or from_disk_or_hub(AutoTokenizer, model.config._name_or_path)
     if tokenizer.eos_token_id is None:
         raise ValueError("the tokenizer has no eos_token, so completions could never end: set one")
@@ -774,23 +779,30 @@ def load_policy(model, processing_class, args, device):
     return model, tokenizer
 
 def from_disk_or_hub(cls, name, **kwargs):  # hub unreachable: the local cache only, to fail in seconds
-    if not os.path.isdir(name) and (os.path.isabs(name) or name.startswith(".")):
+    local = os.path.isdir(name)
+    if not local and (os.path.isabs(name) or name.startswith(".")):
         raise ValueError(f"could not load {name!r}: there is no such folder")
-    offline = not os.path.isdir(name) and not hub_reachable()
+    offline = not local and not hub_reachable()
+    if cls is AutoModelForCausalLM:  # with peft installed, its adapter lookup ignores local_files_only
+        kwargs["adapter_kwargs"] = {"local_files_only": offline}
     try:
         return cls.from_pretrained(name, local_files_only=offline, **kwargs)
     except OSError as e:
         where = ("the hub is unreachable from here and it is not in the local cache" if offline else
-                 "it is neither a local folder nor a model on the hub" if not os.path.isdir(name) else
-                 "the folder holds no model of this kind")
+                 "the folder holds no model of this kind" if local else
+                 "it is neither a local folder nor a model on the hub")
         raise ValueError(f"could not load {name!r}: {where} ({str(e).splitlines()[0]})") from e
 
-def hub_reachable(timeout=3.0):
+def hub_reachable(timeout=3.0):  # one HTTP request, through the proxy if one is set; any answer will do
     if os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes"):
         return False
     try:
-        host = urllib.parse.urlparse(huggingface_hub.constants.ENDPOINT).hostname
-        socket.create_connection((host, 443), timeout=timeout).close()
-        return True
-    except OSError:
+        urllib.request.urlopen(urllib.request.Request(huggingface_hub.constants.ENDPOINT, method="HEAD"),
+                               timeout=timeout).close()
+    except urllib.error.HTTPError:  # a status such as 404 is an answer too
+        pass
+    except urllib.error.URLError as e:  # no answer, unless TLS answered (a proxy with its own certificate)
+        return isinstance(e.reason, ssl.SSLError)
+    except OSError:  # timed out
         return False
+    return True

@@ -776,11 +776,55 @@ def test_a_model_that_cannot_be_loaded_is_named_within_seconds(tmp_path):
     assert time.perf_counter() - start < 20
 
 
+def test_the_hub_counts_as_reachable_when_it_answers_at_all(monkeypatch):
+    """One HTTP request, through a proxy if one is set: any status is an answer (the hub is there), no answer
+    within seconds means offline, so that loading looks in the local cache instead of retrying for 30 s."""
+    import http.server, threading
+    class NotFound(http.server.BaseHTTPRequestHandler):
+        def do_HEAD(self):
+            self.send_response(404)
+            self.end_headers()
+        def log_message(self, *args):
+            pass
+    server = http.server.HTTPServer(("127.0.0.1", 0), NotFound)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    for name in ("http_proxy", "HTTP_PROXY", "https_proxy", "HTTPS_PROXY"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    try:
+        monkeypatch.setattr(gm.huggingface_hub.constants, "ENDPOINT", f"http://127.0.0.1:{server.server_port}")
+        assert gm.hub_reachable()
+    finally:
+        server.shutdown()
+        server.server_close()
+    with socket.socket() as closed:  # a port that nothing listens on
+        closed.bind(("127.0.0.1", 0))
+        monkeypatch.setattr(gm.huggingface_hub.constants, "ENDPOINT", f"http://127.0.0.1:{closed.getsockname()[1]}")
+        assert not gm.hub_reachable()
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert not gm.hub_reachable()
+
+
 def test_a_tokenizer_without_eos_is_rejected(tmp_path):
     tokenizer = make_tokenizer()
     tokenizer.eos_token = None
     with pytest.raises(ValueError, match="no eos_token"):
         make_trainer(tmp_path, tokenizer=tokenizer)
+
+
+def test_gradient_checkpointing_gives_the_same_gradients(tmp_path):
+    """With activations recomputed, per_token_logps takes its one-pass path (no shared prompt cache)."""
+    plain, checkpointed = (first_step_gradients(make_trainer(tmp_path / str(gc), num_iterations=2, beta=0.1,
+                                                             gradient_checkpointing=gc)) for gc in (False, True))
+    for a, b in zip(plain, checkpointed):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_a_model_built_in_memory_needs_its_tokenizer_passed(tmp_path):
+    """Such a model names no tokenizer to load: say what to pass, not that '' is missing from the hub."""
+    with pytest.raises(ValueError, match="processing_class"):
+        GRPOTrainer(make_model(make_tokenizer()), short_is_good, GRPOConfig(output_dir=str(tmp_path)),
+                    Dataset.from_dict({"prompt": PROMPTS}))
 
 
 def test_prompts_as_a_list_of_rows_are_checked_like_a_dataset(tmp_path):
@@ -791,6 +835,8 @@ def test_prompts_as_a_list_of_rows_are_checked_like_a_dataset(tmp_path):
         make_trainer(tmp_path, dataset=[{"prompt": "hi"}, {"prompt": conversation}])
     with pytest.raises(ValueError, match="prompt 0 is neither text nor a conversation"):
         make_trainer(tmp_path, dataset=[{"prompt": 42}])
+    with pytest.raises(ValueError, match="keys of its first row"):  # a list's later keys would be dropped
+        make_trainer(tmp_path, dataset=[{"prompt": "hi"}, {"prompt": "ho", "answer": "x"}])
 
 
 def broken(completions, **kw):
@@ -893,14 +939,15 @@ SIGTERM_IN_STEP_3 = """
 import os, signal, sys
 from pathlib import Path
 sys.path[:0] = [{here!r}]
-import test_grpo_multistep as t
-calls = []
-def short_is_good(completion_ids, **kw):
+import test_grpo_multistep as t, grpo_multistep as gm
+generate, calls = gm.generate_completions, []
+def preempted(*args):
     calls.append(1)
     if len(calls) == 3:  # step 3 is generating when the scheduler's preemption notice arrives
         os.kill(os.getpid(), signal.SIGTERM)
-    return t.short_is_good(completion_ids)
-t.make_trainer(Path({tmp!r}), short_is_good, max_steps=4, save_steps=100).train()
+    return generate(*args)
+gm.generate_completions = preempted
+t.make_trainer(Path({tmp!r}), max_steps=4, save_steps=100).train()
 """
 
 
@@ -962,6 +1009,22 @@ def test_a_signal_during_the_weight_update_waits_for_the_step_to_end(tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(whole.model.parameters(), resumed.model.parameters()))
 
 
+def test_a_signal_while_the_rewards_are_computed_waits_for_the_step_to_end_and_a_second_one_does_not(tmp_path):
+    """Outside the model's passes a signal is acted on once the step is done (a reward function, a metrics
+    line or a checkpoint is never left half-way); a second signal stops at once, keeping the finished steps."""
+    for signals, kept in ((1, "checkpoint-2"), (2, "checkpoint-1")):
+        calls = []
+        def interrupted_in_step_2(completion_ids, **kw):
+            calls.append(1)
+            for _ in range(signals if len(calls) == 2 else 0):
+                os.kill(os.getpid(), signal.SIGINT)
+            return short_is_good(completion_ids)
+        out = f"out{signals}"
+        with pytest.raises(KeyboardInterrupt):
+            make_trainer(tmp_path, reward_funcs=interrupted_in_step_2, max_steps=4, output_dir=str(tmp_path / out)).train()
+        assert checkpoints(tmp_path / out) == [kept]
+
+
 def test_a_resume_after_a_skipped_step_keeps_the_learning_rate_schedule(tmp_path, monkeypatch):
     """A non-finite step does not advance the learning-rate schedule; nor does it in a resumed run."""
     loss, calls = gm.grpo_loss, []
@@ -979,10 +1042,11 @@ def test_a_resume_after_a_skipped_step_keeps_the_learning_rate_schedule(tmp_path
     assert all(torch.equal(a, b) for a, b in zip(whole.model.parameters(), resumed.model.parameters()))
 
 
-def test_inside_a_mu_cycle_a_resume_with_another_temperature_or_beta_is_refused(tmp_path):
-    """The cached generation batch holds π_old's log-probs at the old temperature (and π_ref's, or none)."""
+def test_inside_a_mu_cycle_a_resume_with_what_made_the_cached_batch_changed_is_refused(tmp_path):
+    """The cached generation batch holds π_old's log-probs at the old temperature (and π_ref's, or none), and
+    advantages made with the old reward weights and scaling."""
     make_trainer(tmp_path, num_iterations=2, max_steps=2, save_steps=1).train()
-    for change in ({"temperature": 0.5}, {"beta": 0.1}):
+    for change in ({"temperature": 0.5}, {"beta": 0.1}, {"scale_rewards": "none"}, {"reward_weights": [2.0]}):
         with pytest.raises(ValueError, match=list(change)[0]):
             make_trainer(tmp_path, num_iterations=2, max_steps=2, output_dir=str(tmp_path / "b"), **change).train(
                 resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-1"))
@@ -1138,6 +1202,16 @@ def test_a_dataset_column_that_would_shadow_a_reward_argument_is_refused(tmp_pat
     """Dataset columns reach the reward functions as keyword arguments: these names are taken."""
     with pytest.raises(ValueError, match=column):
         make_trainer(tmp_path, dataset=Dataset.from_dict({"prompt": PROMPTS, column: PROMPTS}))
+
+
+def test_more_torchrun_processes_than_gpus_are_refused_by_name(monkeypatch):
+    """torchrun --nproc_per_node=2 on one GPU: LOCAL_RANK 1 names no device. Said before CUDA says 'invalid
+    device ordinal' from deep inside set_device, or NCCL hangs with two ranks on one GPU."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setenv("RANK", "1"), monkeypatch.setenv("WORLD_SIZE", "2"), monkeypatch.setenv("LOCAL_RANK", "1")
+    with pytest.raises(ValueError, match="LOCAL_RANK=1 but 1 GPUs are visible"):
+        gm.init_distributed()
 
 
 def test_an_iterable_dataset_is_refused_at_construction(tmp_path):

@@ -247,7 +247,7 @@ def test_missing_model_folder(tiny, tmp_path):
 @pytest.fixture
 def offline(monkeypatch):
     """No hub: the connection check fails as it does when huggingface.co cannot be reached."""
-    def unreachable(address, timeout):
+    def unreachable(*args, **kwargs):
         raise TimeoutError("timed out")
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     monkeypatch.setattr(socket, "create_connection", unreachable)
