@@ -155,14 +155,14 @@ def per_token_logps(model, prompt_ids, prompt_mask, completion_ids, completion_m
     """Log-probs (b, C) of the completion tokens, from the logits divided by the sampling temperature (so
     π_old is exactly the distribution that sampled); assumes logits = lm_head(hidden), GRPOTrainer checks."""
     mask = torch.cat([prompt_mask, completion_mask], 1)                                   # (b, P+C)
-    if model.is_activation_checkpointing:  # one pass over prompt + completion (no KV cache to recompute)
+    if model.is_activation_checkpointing:  # one pass: recomputed layers cannot share a prompt's KV cache
         hidden = model.get_decoder()(input_ids=torch.cat([prompt_ids, completion_ids], 1),
                                      attention_mask=mask, position_ids=position_ids(mask)).last_hidden_state
         hidden = hidden[:, prompt_ids.size(1) - 1:-1]                                     # (b, C, H)
     else:  # the same states, with each group's prompt run once for its G completions (Part II)
         hidden = shared_prompt_hidden_states(model, prompt_ids, prompt_mask, completion_ids, mask)
-    # The state at t predicts token t+1. The LM head runs on CHUNK tokens at a time, and its backward
-    # recomputes them (Part II), so that the (b, C, V) logits, the largest tensor here, never exist whole.
+    # The state at t predicts token t+1. The LM head runs on CHUNK tokens at a time and recomputes them in
+    # backward (Part II): the (b, C, V) logits, the largest tensor here, never exist whole.
     head = model.get_output_embeddings()
     pairs = zip(hidden.flatten(0, 1).split(CHUNK), completion_ids.flatten().split(CHUNK))  # (n, H), (n,)
     logps = [TokenLogps.apply(h, y, temperature, head.weight, head.bias) for h, y in pairs]  # log π(y)
@@ -463,15 +463,15 @@ def end_of_step(t, metrics):  # log every logging_steps, checkpoint every save_s
         t.log({"step": t.step, **{k: sum(v) / len(v) for k, v in t.window.items()},
                "elapsed": time.perf_counter() - t.start_time})
         t.window.clear()
-    # log() may ask to stop (a target reached); a signal that came outside the model's passes, or under
-    # torchrun, stops here, all ranks at once.
+    if t.step % args.save_steps == 0 and t.step < args.max_steps:
+        save_checkpoint(t)
+    # log() may ask to stop (a target reached); a signal that came outside the model's passes (this save
+    # included), or under torchrun, stops here, all ranks at once.
     flags = [float(t.should_stop), float(t.signal == signal.SIGTERM), float(t.signal == signal.SIGINT)]
     stop, term, interrupt = all_reduce(t, torch.tensor(flags, device=t.device)).tolist()
     t.should_stop = stop > 0
     if term or interrupt:
         raise every_rank(Terminated() if term else KeyboardInterrupt())
-    if t.step % args.save_steps == 0 and t.step < args.max_steps:
-        save_checkpoint(t)
 
 def write_metrics(t, metrics):
     if t.rank != 0:
@@ -509,7 +509,7 @@ def start_run(t, resume_from_checkpoint):  # resume, or start afresh where it lo
         random.seed(t.args.seed + t.rank)
         torch.manual_seed(t.args.seed + t.rank)  # the same prompts on every rank, different samples
     t.rng_at_last_step, t.window, t.start_time = rng_state(), defaultdict(list), time.perf_counter()
-    t.signal, t.had_signal, t.flat_in_a_row = None, False, 0
+    t.signal, t.saved_step, t.had_signal, t.flat_in_a_row = None, None, False, 0
 
 @contextmanager
 def checkpoint_on_failure(t):
@@ -522,6 +522,8 @@ def checkpoint_on_failure(t):
     try:
         yield
     except BaseException as e:
+        for s in previous:  # from here on a signal cannot cut the checkpoint of the finished steps short
+            signal.signal(s, signal.SIG_IGN)
         if t.step > 0 and (t.world_size == 1 or getattr(e, "on_every_rank", False)):
             set_rng_state(t.rng_at_last_step)  # as if the running step never began
             save_checkpoint(t)
@@ -533,6 +535,8 @@ def checkpoint_on_failure(t):
             signal.signal(s, handler)
 
 def save_checkpoint(t):  # with every rank's RNG states and, inside a μ cycle, its cached generation batch
+    if t.saved_step == t.step:  # written already (a stop right after a periodic save)
+        return
     batch = t.batch if t.step % t.args.num_iterations else None  # inside a μ cycle
     mine = {"rng": rng_state(), "samples": t.samples, "batch": batch}
     ranks = [mine] * t.world_size
@@ -553,6 +557,7 @@ def save_checkpoint(t):  # with every rank's RNG states and, inside a μ cycle, 
             shutil.rmtree(old)
     if t.world_size > 1:
         dist.barrier()  # no rank goes on (or resumes) before the checkpoint exists
+    t.saved_step = t.step
 
 SHAPE = ("num_iterations", "num_generations", "per_device_train_batch_size", "gradient_accumulation_steps",
          "world_size")  # what a checkpoint's cached batch, prompt order and RNG states depend on
@@ -564,12 +569,17 @@ def load_checkpoint(t, path):
         raise ValueError(f"resume_from_checkpoint=True but {args.output_dir!r} holds no checkpoint")
     path, file = found[-1], os.path.join(found[-1], "trainer_state.pt")
     if not os.path.isfile(file):
-        raise ValueError(f"resume_from_checkpoint={path!r} is not a checkpoint: no trainer_state.pt in it")
+        why = "no trainer_state.pt in it" if os.path.isdir(path) else "no such folder"
+        raise ValueError(f"resume_from_checkpoint={path!r} is not a checkpoint: {why}")
     try:  # tensors and plain Python values only: a checkpoint from elsewhere cannot run code
         state = torch.load(file, map_location=t.device, weights_only=True)
     except Exception as e:
         raise ValueError(f"{file} holds objects other than tensors and plain values (it could run code)"
                          if "Weights only load failed" in str(e) else f"{file} is corrupted ({e})") from e
+    later = [c for c in list_checkpoints(args.output_dir) if int(c.rsplit("-", 1)[1]) > state["step"]]
+    if later:  # they would outlive this run's own (save_total_limit, resume_from_checkpoint=True)
+        raise ValueError(f"output_dir {args.output_dir!r} holds checkpoints after {path!r}: {later}; resume "
+                         "into another output_dir, or move them away")
     then = {**state["config"], "world_size": state["world_size"]}
     now = {**asdict(args), "world_size": t.world_size}
     diff = {k: (then[k], now[k]) for k in SHAPE if then[k] != now[k]}
@@ -607,15 +617,17 @@ def set_rng_state(state):
     if state["cuda"] is not None:
         torch.cuda.set_rng_state_all([s.cpu() for s in state["cuda"]])
 
-def list_checkpoints(output_dir):  # complete ones, oldest first; one left as .old mid-swap is put back
+def list_checkpoints(output_dir):  # the complete ones, oldest first, once a re-save cut short is settled
     names = os.listdir(output_dir) if os.path.isdir(output_dir) else []
-    for n in names:
-        if n.endswith(".old") and n[:-4] not in names:
-            with suppress(FileNotFoundError):  # another rank put it back first
-                os.replace(os.path.join(output_dir, n), os.path.join(output_dir, n[:-4]))
-    steps = {int(n[11:].removesuffix(".old")) for n in names
-             if n.startswith("checkpoint-") and n[11:].removesuffix(".old").isdigit()}
-    return [os.path.join(output_dir, f"checkpoint-{s}") for s in sorted(steps)]
+    for n in (n for n in names if n.endswith(".old")):  # the old copy of a step being saved again
+        old, new = os.path.join(output_dir, n), os.path.join(output_dir, n.removesuffix(".old"))
+        with suppress(FileNotFoundError):  # another rank got there first
+            if os.path.isdir(new):
+                shutil.rmtree(old)  # the new copy is in place
+            else:
+                os.replace(old, new)  # the new copy never arrived: the old one comes back
+    steps = {n.removeprefix("checkpoint-").removesuffix(".old") for n in names if n.startswith("checkpoint-")}
+    return [os.path.join(output_dir, f"checkpoint-{s}") for s in sorted(int(s) for s in steps if s.isdigit())]
 
 # Input checks: every bad input fails at start, or as soon as it shows, with a message that names it.
 def check_config(c):
@@ -635,6 +647,8 @@ def check_config(c):
         if not (value is None and optional or isinstance(value, kind) and (kind, type(value)) != (int, bool)):
             what = "an int" if kind is int else kind.__name__
             raise ValueError(f"GRPOConfig.{name}={value!r} must be {what}" + " or None" * optional)
+        if kind is float and value is not None and not math.isfinite(value):  # inf, nan: never what is meant
+            raise ValueError(f"GRPOConfig.{name}={value!r} must be finite")
         setattr(c, name, value)
     c.epsilon_high = c.epsilon if c.epsilon_high is None else c.epsilon_high
     at_least_1 = ("num_iterations", "max_steps", "per_device_train_batch_size", "gradient_accumulation_steps",
@@ -643,7 +657,8 @@ def check_config(c):
     checks = [(n, getattr(c, n) is None or getattr(c, n) >= 1, "must be >= 1") for n in at_least_1] + [
         ("num_generations", c.num_generations >= 2, "must be >= 2: a group of one has no baseline"),
         ("epsilon", 0 < c.epsilon < 1, "must lie in (0, 1)"),
-        ("reward_weights", all(math.isfinite(w) for w in c.reward_weights or []), "must be finite numbers"),
+        ("reward_weights", all(isinstance(w, numbers.Real) and math.isfinite(w)
+                               for w in c.reward_weights or []), "must be finite numbers"),
         ("loss_type", c.loss_type in ("grpo", "dapo", "dr_grpo"), "must be 'grpo', 'dapo' or 'dr_grpo'"),
         ("scale_rewards", c.scale_rewards in ("group", "none"), "must be 'group' or 'none'"),
         ("lr_scheduler_type", c.lr_scheduler_type in ("linear", "constant"), "must be linear or constant")]
@@ -790,7 +805,7 @@ def from_disk_or_hub(cls, name, **kwargs):  # hub unreachable: the local cache o
     except OSError as e:
         where = ("the hub is unreachable from here and it is not in the local cache" if offline else
                  "the folder holds no model of this kind" if local else
-                 "it is neither a local folder nor a model on the hub")
+                 "it is not a local folder, and the hub did not give it")
         raise ValueError(f"could not load {name!r}: {where} ({str(e).splitlines()[0]})") from e
 
 def hub_reachable(timeout=3.0):  # one HTTP request, through the proxy if one is set; any answer will do

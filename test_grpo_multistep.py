@@ -632,6 +632,24 @@ def test_save_total_limit_keeps_the_newest_checkpoints(tmp_path):
     assert [os.path.basename(c) for c in gm.list_checkpoints(str(tmp_path / "a"))] == ["checkpoint-5", "checkpoint-6"]
 
 
+def test_resuming_an_older_checkpoint_where_newer_ones_lie_is_refused(tmp_path):
+    """checkpoint-6 would outlive the resumed run's own checkpoint-5 (save_total_limit keeps the newest; a
+    later resume_from_checkpoint=True would pick it): resume into another output_dir instead."""
+    run_to_end(tmp_path, "a", save_steps=1)
+    with pytest.raises(ValueError, match="checkpoints after"):
+        run_to_end(tmp_path, "a", resume=str(tmp_path / "a" / "checkpoint-4"))
+    run_to_end(tmp_path, "b", resume=str(tmp_path / "a" / "checkpoint-4"))
+
+
+def test_a_re_save_cut_short_is_settled_when_checkpoints_are_listed(tmp_path):
+    """A death between the two renames of a re-save leaves checkpoint-2.old beside checkpoint-2 (the new
+    copy, complete) or alone (the new copy never arrived): the first is removed, the second put back."""
+    for name in ("checkpoint-2", "checkpoint-2.old", "checkpoint-3.old"):
+        os.makedirs(tmp_path / name)
+    assert gm.list_checkpoints(str(tmp_path)) == [str(tmp_path / "checkpoint-2"), str(tmp_path / "checkpoint-3")]
+    assert sorted(os.listdir(tmp_path)) == ["checkpoint-2", "checkpoint-3"]
+
+
 def test_resume_rejects_a_folder_that_is_not_a_checkpoint_or_has_another_batch_shape(tmp_path):
     run_to_end(tmp_path, "a")
     with pytest.raises(ValueError, match="is not a checkpoint: no trainer_state.pt"):
@@ -1025,6 +1043,20 @@ def test_a_signal_while_the_rewards_are_computed_waits_for_the_step_to_end_and_a
         assert checkpoints(tmp_path / out) == [kept]
 
 
+def test_a_signal_during_a_periodic_save_stops_after_it_not_a_step_later(tmp_path, monkeypatch):
+    """The save comes before the end of step 2's check for signals, so the run stops at step 2, saved once."""
+    save, saves = torch.save, []
+    def interrupted(obj, *args, **kwargs):
+        saves.append(obj["step"])
+        save(obj, *args, **kwargs)
+        os.kill(os.getpid(), signal.SIGINT)  # as the checkpoint of step 2 is being written
+    monkeypatch.setattr(torch, "save", interrupted)
+    trainer = make_trainer(tmp_path, max_steps=4, save_steps=2)
+    with pytest.raises(KeyboardInterrupt):
+        trainer.train()
+    assert (trainer.step, saves, checkpoints(tmp_path / "out")) == (2, [2], ["checkpoint-2"])
+
+
 def test_a_resume_after_a_skipped_step_keeps_the_learning_rate_schedule(tmp_path, monkeypatch):
     """A non-finite step does not advance the learning-rate schedule; nor does it in a resumed run."""
     loss, calls = gm.grpo_loss, []
@@ -1114,7 +1146,7 @@ def test_a_resume_says_what_it_changes(tmp_path):
     assert trainer.optimizer.param_groups[0]["lr"] == 1e-5
     with pytest.warns(UserWarning, match="max_steps"):  # nothing left to train
         make_trainer(tmp_path, learning_rate=1e-2, max_steps=2, **run).train(
-            resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-2"))
+            resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-3"))
 
 
 def dict_reward(completions, **kw):
@@ -1156,7 +1188,8 @@ def test_config_values_given_as_strings_are_converted():
     assert GRPOConfig(bf16="false").bf16 is False
 
 
-@pytest.mark.parametrize("field,value", [("learning_rate", "fast"), ("max_steps", 2.5),
+@pytest.mark.parametrize("field,value", [("learning_rate", "fast"), ("max_steps", 2.5), ("temperature", math.inf),
+                                         ("learning_rate", math.nan), ("reward_weights", ["1"]),
                                          ("reward_weights", [math.nan]), ("reward_weights", [math.inf])])
 def test_config_values_that_cannot_be_used_are_rejected(field, value):
     """Rejected when the config is made, by name: not a late TypeError, a truncation or a NaN loss."""
