@@ -451,8 +451,8 @@ def end_of_step(t, metrics):  # log every logging_steps, checkpoint every save_s
             f"training stopped at step {t.step}: {t.nonfinite_in_a_row} optimizer steps in a row had a "
             "non-finite loss or gradient norm (check the rewards, lower the learning rate, turn bf16 off)"))
     if "reward_std" in metrics:  # a collapsed policy: all completions alike, no signal left
-        t.had_signal |= metrics["reward_std"] > 0
-        t.flat_in_a_row = t.flat_in_a_row + 1 if t.had_signal and metrics["reward_std"] == 0 else 0
+        t.rewards_varied |= metrics["reward_std"] > 0
+        t.flat_in_a_row = t.flat_in_a_row + 1 if t.rewards_varied and metrics["reward_std"] == 0 else 0
         if t.flat_in_a_row == 3:
             warnings.warn(f"step {t.step}: every group's rewards were equal for 3 generation batches in a "
                           "row, so the gradient is 0. The policy may have collapsed: a learning rate too "
@@ -509,7 +509,7 @@ def start_run(t, resume_from_checkpoint):  # resume, or start afresh where it lo
         random.seed(t.args.seed + t.rank)
         torch.manual_seed(t.args.seed + t.rank)  # the same prompts on every rank, different samples
     t.rng_at_last_step, t.window, t.start_time = rng_state(), defaultdict(list), time.perf_counter()
-    t.signal, t.saved_step, t.had_signal, t.flat_in_a_row = None, None, False, 0
+    t.signal, t.saved_step, t.rewards_varied, t.flat_in_a_row = None, None, False, 0
 
 @contextmanager
 def checkpoint_on_failure(t):
