@@ -176,9 +176,9 @@ def grpo_loss(logps, old_logps, ref_logps, advantages, mask, args, num_seqs, num
     coef_1 = torch.exp(logps - old_logps)                                  # ratio ρ = π_θ / π_old
     coef_2 = torch.clamp(coef_1, 1 - args.epsilon, 1 + args.epsilon_high)  # clip(ρ, 1 - ε, 1 + ε_high)
     per_token_loss = -torch.min(coef_1 * A, coef_2 * A)                    # -min(ρA, clip(ρ)A)
-    # Where ρ has left [1 - ε, 1 + ε_high] in the direction A pushes it, min() picks the constant clip(ρ)A:
-    # that token's policy term stops pushing, which keeps μ steps on one batch near π_old (a soft trust
-    # region: the KL term and the other tokens, through shared weights, still move it).
+    # Where ρ has left [1 - ε, 1 + ε_high] in the direction A pushes it, min() picks the constant
+    # clip(ρ)A: that token's policy term stops pushing, which keeps μ steps on one batch near π_old (a soft
+    # trust region: the KL term and the other tokens, through shared weights, still move it).
     if args.beta > 0:                                                      # + β · KL_k3(π_θ ‖ π_ref)
         per_token_kl = torch.exp(ref_logps - logps) - (ref_logps - logps) - 1  # k3 estimator, >= 0
         per_token_loss = per_token_loss + args.beta * per_token_kl
@@ -672,8 +672,8 @@ def check_config(c):
 def check_inputs(args, reward_funcs, dataset):
     per_step = args.per_device_train_batch_size * args.gradient_accumulation_steps
     if per_step % args.num_generations:
-        raise ValueError(f"per_device_train_batch_size × gradient_accumulation_steps = {per_step} completions"
-                         f" per optimizer step (per device) is not divisible by num_generations="
+        raise ValueError(f"per_device_train_batch_size × gradient_accumulation_steps = {per_step} "
+                         f"completions per optimizer step (per device) is not divisible by num_generations="
                          f"{args.num_generations}; each prompt's whole group must be in the same step")
     funcs = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
     if not funcs or not all(map(callable, funcs)):
