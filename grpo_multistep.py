@@ -18,8 +18,8 @@ Part I is the algorithm, in the order of Algorithm 1; Part II, the engineering i
 Left out on purpose: vLLM and `model.generate` (a plain sampling loop is exactly the distribution that the
 log-probs describe), DeepSpeed and FSDP (a gradient all-reduce serves models that fit one GPU), PEFT, warmup.
 """
-import copy, functools, json, math, numbers, os, random, shutil, signal, ssl, threading, time, typing
-import urllib.error, urllib.request, warnings
+import copy, fnmatch, functools, json, math, numbers, os, random, shutil, signal, sys, tempfile, threading
+import time, typing, warnings
 from collections import defaultdict
 from collections.abc import Mapping
 from contextlib import contextmanager, nullcontext, suppress
@@ -168,13 +168,34 @@ def per_token_logps(model, prompt_ids, prompt_mask, completion_ids, completion_m
     logps = [TokenLogps.apply(h, y, temperature, head.weight, head.bias) for h, y in pairs]  # log π(y)
     return torch.cat(logps).view_as(completion_ids)                                       # (b, C)
 
+def micro_batches(batch, size):
+    """The batch in micro-batches of `size` completions (gradient accumulation), each cut to its longest
+    prompt and completion (padding costs compute, changes nothing). 0-dim entries pass whole: the
+    normalizers count the whole optimizer step."""
+    for i in range(0, len(batch["completion_mask"]), size):
+        mb = {k: v[i:i + size] if v.dim() else v for k, v in batch.items()}
+        c, p = int(mb["completion_mask"].sum(1).max()), int(mb["prompt_mask"].sum(1).max())
+        yield {k: v if v.dim() < 2 else v[:, v.size(1) - p:] if k.startswith("prompt") else v[:, :c]
+               for k, v in mb.items()}
+
+@torch.no_grad()
+def cached_logps(trainer, model, batch):
+    """π_old's (or π_ref's) log-probs of a generation batch, computed once for its μ optimizer steps, in
+    the same micro-batches as the training passes: so the first step's ratio is exactly 1, not 1 ± noise."""
+    with autocast(trainer):
+        logps = [per_token_logps(model, mb["prompt_ids"], mb["prompt_mask"], mb["completion_ids"],
+                                 mb["completion_mask"], trainer.args.temperature)              # (b, c) each
+                 for mb in micro_batches(batch, trainer.args.per_device_train_batch_size)]
+    return torch.cat([F.pad(x, (0, batch["completion_ids"].size(1) - x.size(1))) for x in logps])  # (N, C)
+
 # ---- 5. The clipped objective, for one micro-batch ---------------------------------------------------
 def grpo_loss(logps, old_logps, ref_logps, advantages, mask, args, num_seqs, num_tokens):
     """The GRPO objective, negated. logps, old_logps, ref_logps, mask: (b, C); advantages: (b,). num_seqs
     and num_tokens count the whole optimizer step (all micro-batches, ranks): micro-batch losses add up."""
     A = advantages[:, None]                                                # (b, 1): one A per sequence
+    eps_high = args.epsilon if args.epsilon_high is None else args.epsilon_high  # None: ε, as in TRL
     coef_1 = torch.exp(logps - old_logps)                                  # ratio ρ = π_θ / π_old
-    coef_2 = torch.clamp(coef_1, 1 - args.epsilon, 1 + args.epsilon_high)  # clip(ρ, 1 - ε, 1 + ε_high)
+    coef_2 = torch.clamp(coef_1, 1 - args.epsilon, 1 + eps_high)           # clip(ρ, 1 - ε, 1 + ε_high)
     per_token_loss = -torch.min(coef_1 * A, coef_2 * A)                    # -min(ρA, clip(ρ)A)
     # Where ρ has left [1 - ε, 1 + ε_high] in the direction A pushes it, min() picks the constant
     # clip(ρ)A: that token's policy term stops pushing, which keeps μ steps on one batch near π_old (a soft
@@ -190,7 +211,7 @@ def grpo_loss(logps, old_logps, ref_logps, advantages, mask, args, num_seqs, num
         loss = (per_token_loss * mask).sum() / (num_seqs * args.max_completion_length)
     with torch.no_grad():  # metrics: clipped tokens (only where the clip removes the gradient), KL
         stats = {"clip_low": ((coef_1 < 1 - args.epsilon) & (A < 0) & (mask > 0)).sum(),
-                 "clip_high": ((coef_1 > 1 + args.epsilon_high) & (A > 0) & (mask > 0)).sum()}
+                 "clip_high": ((coef_1 > 1 + eps_high) & (A > 0) & (mask > 0)).sum()}
         if args.beta > 0:
             stats["kl"] = (per_token_kl * mask).sum()
     return loss, stats
@@ -205,22 +226,17 @@ class GRPOTrainer:
         self.args = args = args if args is not None else GRPOConfig()
         self.rank, self.world_size, self.device = init_distributed()           # torchrun, or one process
         self.reward_funcs, self.dataset = check_inputs(args, reward_funcs, train_dataset)  # before loading
-        self.reward_weights = torch.tensor(args.reward_weights or [1.0] * len(self.reward_funcs))
         self.model, self.tokenizer = load_policy(model, processing_class, args, self.device)      # π_θ
         self.ref_model = None if args.beta == 0 else copy.deepcopy(self.model).eval().requires_grad_(False)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=args.learning_rate,
                                            weight_decay=args.weight_decay, fused=True)  # one kernel
-        decay = (lambda s: 1 - s / args.max_steps) if args.lr_scheduler_type == "linear" else (lambda s: 1.0)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, decay)
-        self.step, self.batch, self.samples = 0, None, []  # batch: the μ cycle's cached generation batch
-        self.should_stop = False                            # a subclass's log() may set it to stop early
-        self.nonfinite_in_a_row, self.phase, self.seconds = 0, None, dict.fromkeys(PHASES, 0.0)  # Part II
+        new_run(self)  # step 0, the schedule, counters, should_stop (a subclass's log() may set it) (Part II)
 
     def train(self, resume_from_checkpoint=None):
         """Algorithm 1: every μ optimizer steps a new generation batch, then μ optimizer steps on it."""
+        start_run(self, resume_from_checkpoint)  # check the config; resume, or seed and claim output_dir
         args, mu = self.args, self.args.num_iterations
-        start_run(self, resume_from_checkpoint)    # resume, or seed and claim output_dir (Part II)
-        with checkpoint_on_failure(self):          # Ctrl-C, SIGTERM or an error keep the finished steps
+        with checkpoint_on_failure(self):        # a signal or an error: checkpoint the last finished step
             while self.step < args.max_steps and not self.should_stop:
                 metrics = {}
                 if self.step % mu == 0:                                  # a new generation batch
@@ -228,10 +244,11 @@ class GRPOTrainer:
                 metrics.update(self.optimizer_step(self.batch))           # one of its μ optimizer steps
                 self.step += 1
                 end_of_step(self, metrics)               # log, checkpoint, stop on trouble (Part II)
-        save_checkpoint(self)
-        if self.rank == 0:
-            self.model.save_pretrained(args.output_dir)
-            self.tokenizer.save_pretrained(args.output_dir)
+            with saving(self):                           # a signal now waits for these files to be whole
+                save_checkpoint(self)
+                if self.rank == 0:
+                    self.model.save_pretrained(args.output_dir)
+                    self.tokenizer.save_pretrained(args.output_dir)
         return self
 
     def generate_and_score(self, k):
@@ -253,7 +270,8 @@ class GRPOTrainer:
         repeat = lambda xs: [x for x in xs for _ in range(G)]
         rewards_per_func = on_every_rank(self, score_completions, self.reward_funcs, repeat(prompts),
                                          completions, ids, {c: repeat(v) for c, v in rows.items()})  # (N, F)
-        rewards = (rewards_per_func * self.reward_weights).nansum(1)         # (N,): r_i = Σ_f w_f r_if
+        weights = torch.tensor(args.reward_weights or [1.0] * len(self.reward_funcs))        # (F,)
+        rewards = (rewards_per_func * weights).nansum(1)                     # (N,): r_i = Σ_f w_f r_if
         advantages = group_advantages(rewards, G, args.scale_rewards).to(self.device)      # (N,)
         batch = {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "completion_ids": completion_ids,
                  "completion_mask": mask, "advantages": advantages,
@@ -341,28 +359,12 @@ class TokenLogps(torch.autograd.Function):
         grad_bias = grad_logits.sum(0) if bias is not None and ctx.needs_input_grad[4] else None
         return (grad_logits @ weight).to(hidden.dtype), None, None, grad_weight, grad_bias
 
-@torch.no_grad()  # π_old or π_ref: micro-batch by micro-batch as the training passes, so ratio 1 is exact
-def cached_logps(t, model, batch):
-    with autocast(t):
-        logps = [per_token_logps(model, mb["prompt_ids"], mb["prompt_mask"], mb["completion_ids"],
-                                 mb["completion_mask"], t.args.temperature)                   # (b, c) each
-                 for mb in micro_batches(batch, t.args.per_device_train_batch_size)]
-    return torch.cat([F.pad(x, (0, batch["completion_ids"].size(1) - x.size(1))) for x in logps])  # (N, C)
-
-# Micro-batches, each cut to its longest prompt and completion (padding costs compute, changes nothing).
-def micro_batches(batch, size):
-    for i in range(0, len(batch["completion_mask"]), size):
-        mb = {k: v[i:i + size] if v.dim() else v for k, v in batch.items()}  # 0-dim: the normalizers
-        c, p = int(mb["completion_mask"].sum(1).max()), int(mb["prompt_mask"].sum(1).max())
-        yield {k: v if v.dim() < 2 else v[:, v.size(1) - p:] if k.startswith("prompt") else v[:, :c]
-               for k, v in mb.items()}
-
 # Prompt order: one seeded permutation per epoch, the same on every rank and a function of the batch
 # index alone, so that a resumed run picks up the same prompts.
-def prompt_rows(t, k):
-    a, n = t.args, len(t.dataset)
+def prompt_rows(trainer, k):
+    a, n = trainer.args, len(trainer.dataset)
     per_rank = a.per_device_train_batch_size * a.gradient_accumulation_steps // a.num_generations
-    first = (k * t.world_size + t.rank) * per_rank
+    first = (k * trainer.world_size + trainer.rank) * per_rank
     return [epoch_order(n, a.seed + i // n)[i % n] for i in range(first, first + per_rank)]
 
 @functools.lru_cache(maxsize=2)
@@ -372,16 +374,16 @@ def epoch_order(n, seed):
 # Timing: seconds per phase of a step; on a GPU the clock waits for it, once per phase boundary.
 PHASES = ("generate", "logps", "forward", "backward", "optimizer")
 
-def lap(t, phase):  # end the running phase (if any), start `phase` (None: no phase)
-    if t.device.type == "cuda":
-        torch.cuda.synchronize(t.device)
+def lap(trainer, phase):  # end the running phase (if any), start `phase` (None: no phase)
+    if trainer.device.type == "cuda":
+        torch.cuda.synchronize(trainer.device)
     now = time.perf_counter()
-    if t.phase is not None:
-        t.seconds[t.phase] += now - t.phase_start
-    t.phase, t.phase_start = phase, now
+    if trainer.phase is not None:
+        trainer.seconds[trainer.phase] += now - trainer.phase_start
+    trainer.phase, trainer.phase_start = phase, now
 
-def autocast(t):  # bf16: every model call under bfloat16 autocast; the loss and AdamW stay float32
-    return torch.autocast(t.device.type, dtype=torch.bfloat16) if t.args.bf16 else nullcontext()
+def autocast(trainer):  # bf16: every model call under bfloat16 autocast; the loss and AdamW stay float32
+    return torch.autocast(trainer.device.type, dtype=torch.bfloat16) if trainer.args.bf16 else nullcontext()
 
 # torchrun: every rank runs this program on its own prompts. Each rank's loss is divided by the whole
 # step's normalizers, so the sum of the ranks' gradients is the step's gradient: DDP's job, whose hooks
@@ -389,247 +391,299 @@ def autocast(t):  # bf16: every model call under bfloat16 autocast; the loss and
 def init_distributed():
     local_rank, cuda = int(os.environ.get("LOCAL_RANK", 0)), torch.cuda.is_available()
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ and not dist.is_initialized():
-        if cuda and local_rank >= torch.cuda.device_count():  # before CUDA's "invalid device ordinal"
-            raise ValueError(f"LOCAL_RANK={local_rank} but {torch.cuda.device_count()} GPUs are visible: "
-                             "run torchrun with --nproc_per_node at most the number of GPUs")
+        require(not cuda or local_rank < torch.cuda.device_count(),  # before CUDA's "invalid device ordinal"
+                f"LOCAL_RANK={local_rank} but {torch.cuda.device_count()} GPUs are visible: run torchrun "
+                "with --nproc_per_node at most the number of GPUs")
         if cuda:
             torch.cuda.set_device(local_rank)  # before any collective: NCCL uses the current device
         dist.init_process_group("nccl" if cuda else "gloo")
     rank, world_size = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     return rank, world_size, torch.device(f"cuda:{local_rank}" if cuda else "cpu")
 
-def all_reduce(t, x):  # sum over ranks, in place (nothing to do in one process)
-    if t.world_size > 1:
+def all_reduce(trainer, x):  # sum over ranks, in place (nothing to do in one process)
+    if trainer.world_size > 1:
         dist.all_reduce(x)
     return x
 
-def all_reduce_gradients(t):  # one flat buffer, one call
-    grads = [p.grad for p in t.model.parameters() if p.grad is not None]
-    if t.world_size > 1 and grads:
-        flat = all_reduce(t, torch.cat([g.flatten() for g in grads]))
+def all_reduce_gradients(trainer):  # one flat buffer, one call
+    grads = [p.grad for p in trainer.model.parameters() if p.grad is not None]
+    if trainer.world_size > 1 and grads:
+        flat = all_reduce(trainer, torch.cat([g.flatten() for g in grads]))
         for g, summed in zip(grads, flat.split([g.numel() for g in grads])):
             g.copy_(summed.view_as(g))
 
-def on_every_rank(t, fn, *args):  # user code (reward functions): an error on one rank is raised on all,
-    try:                          # so that all reach the checkpoint together instead of waiting forever
+def on_every_rank(trainer, fn, *args):  # user code (reward functions): an error on one rank is raised on
+    try:                                # all, so that none is left waiting for the others in a collective
         result, error = fn(*args), None
     except Exception as e:
         result, error = None, e
-    if t.world_size > 1 and all_reduce(t, torch.tensor(float(error is not None), device=t.device)) > 0:
-        error = every_rank(error or RuntimeError("a reward function failed on another rank (see its log)"))
-    if error is not None:
-        raise error
+    if all_reduce(trainer, torch.tensor(float(error is not None), device=trainer.device)) > 0:
+        raise error or RuntimeError("a reward function failed on another rank (see its log)")
     return result
 
 # Metrics: sums over micro-batches and ranks, one all-reduce each; the seconds stay each rank's own.
-def batch_metrics(t, rewards_per_func, rewards, mask):
-    m = {"reward": rewards.mean(), "reward_std": rewards.view(-1, t.args.num_generations).std(1).mean(),
+def batch_metrics(trainer, rewards_per_func, rewards, mask):
+    m = {"reward": rewards.mean(), "reward_std": rewards.view(-1, trainer.args.num_generations).std(1).mean(),
          "completion_length": mask.sum(1).float().mean()}
-    m.update({f"rewards/{getattr(f, '__name__', i)}": rewards_per_func[:, i].nanmean()
-              for i, f in enumerate(t.reward_funcs)})
-    means = all_reduce(t, torch.stack([v.float().to(t.device) for v in m.values()])) / t.world_size
-    return dict(zip(m, means.tolist()))
+    names = [getattr(f, "__name__", type(f).__name__) for f in trainer.reward_funcs]
+    for i, name in enumerate(names):  # one metric per function, numbered where names repeat (two lambdas)
+        number = f"_{names[:i].count(name) + 1}" if names.count(name) > 1 else ""
+        m[f"rewards/{name}{number}"] = rewards_per_func[:, i].nanmean()
+    means = all_reduce(trainer, torch.stack([v.float().to(trainer.device) for v in m.values()]))
+    return dict(zip(m, (means / trainer.world_size).tolist()))
 
-def step_metrics(t, sums, grad_norm, num_tokens):
-    totals = all_reduce(t, torch.stack([torch.as_tensor(v, device=t.device).float() for v in sums.values()]))
-    s, n, finite = dict(zip(sums, totals.tolist())), float(num_tokens), bool(torch.isfinite(grad_norm))
-    t.nonfinite_in_a_row = 0 if finite else t.nonfinite_in_a_row + 1
+def step_metrics(trainer, sums, grad_norm, num_tokens):
+    totals = all_reduce(trainer, torch.stack([torch.as_tensor(v, device=trainer.device).float()
+                                              for v in sums.values()]))
+    s, n, finite = dict(zip(sums, totals.tolist())), float(num_tokens), bool(grad_norm.isfinite())
+    trainer.nonfinite_in_a_row = 0 if finite else trainer.nonfinite_in_a_row + 1
     if not finite:
-        warnings.warn(f"step {t.step + 1}: non-finite loss or gradient norm ({float(grad_norm)}); step "
-                      f"skipped ({t.nonfinite_in_a_row} in a row)", stacklevel=3)
-    return {"loss": s["loss"], "grad_norm": float(grad_norm), "learning_rate": t.scheduler.get_last_lr()[0],
-            **({"kl": s["kl"] / n} if "kl" in s else {}), "clip_ratio_low": s["clip_low"] / n,
+        warnings.warn(f"step {trainer.step + 1}: non-finite loss or gradient norm ({float(grad_norm)}); step "
+                      f"skipped ({trainer.nonfinite_in_a_row} in a row)", stacklevel=3)
+    return {"loss": s["loss"], "grad_norm": float(grad_norm), **({"kl": s["kl"] / n} if "kl" in s else {}),
+            "learning_rate": trainer.scheduler.get_last_lr()[0], "clip_ratio_low": s["clip_low"] / n,
             "clip_ratio_high": s["clip_high"] / n, "nonfinite_steps": float(not finite)}
 
-def end_of_step(t, metrics):  # log every logging_steps, checkpoint every save_steps, stop on trouble
-    t.rng_at_last_step = rng_state()  # first: what a checkpoint of this finished step must hold
-    lap(t, None)                      # the update is done; a signal that came is acted on below
-    metrics.update({f"time_{k}": v for k, v in t.seconds.items()})
-    args, t.seconds = t.args, dict.fromkeys(PHASES, 0.0)
-    if t.nonfinite_in_a_row >= 3:
-        raise every_rank(RuntimeError(
-            f"training stopped at step {t.step}: {t.nonfinite_in_a_row} optimizer steps in a row had a "
-            "non-finite loss or gradient norm (check the rewards, lower the learning rate, turn bf16 off)"))
-    if "reward_std" in metrics:  # a collapsed policy: all completions alike, no signal left
-        t.rewards_varied |= metrics["reward_std"] > 0
-        t.flat_in_a_row = t.flat_in_a_row + 1 if t.rewards_varied and metrics["reward_std"] == 0 else 0
-        if t.flat_in_a_row == 3:
-            warnings.warn(f"step {t.step}: every group's rewards were equal for 3 generation batches in a "
-                          "row, so the gradient is 0. The policy may have collapsed: a learning rate too "
-                          "high, or a temperature too low, makes all completions alike", stacklevel=3)
+def end_of_step(trainer, metrics):  # log every logging_steps, checkpoint every save_steps, stop on trouble
+    args, trainer.snapshot = trainer.args, snapshot(trainer)  # first: what a checkpoint of this step holds
+    lap(trainer, None)  # the update is over: from here on a signal stops the run at once
+    metrics.update({f"time_{k}": v for k, v in trainer.seconds.items()})
+    trainer.seconds = dict.fromkeys(PHASES, 0.0)
+    if trainer.nonfinite_in_a_row >= 3:
+        raise RuntimeError(f"training stopped at step {trainer.step}: {trainer.nonfinite_in_a_row} "
+                           "optimizer steps in a row had a non-finite loss or gradient norm (check the "
+                           "rewards, lower the learning rate, turn bf16 off)")
+    if "reward_std" in metrics:  # no signal left to learn from: all rewards of each group alike
+        trainer.flat_in_a_row = trainer.flat_in_a_row + 1 if metrics["reward_std"] == 0 else 0
+        if trainer.flat_in_a_row == 3:
+            warnings.warn(f"step {trainer.step}: every group's rewards were equal for 3 generation batches "
+                          "in a row, so the gradient is 0: a reward function that does not vary, or "
+                          "completions all alike (a temperature too low, or a policy that collapsed: a "
+                          "learning rate too high)", stacklevel=3)
     for k, v in metrics.items():
-        t.window[k].append(v)
-    if t.step % args.logging_steps == 0 or t.step == args.max_steps:
-        t.log({"step": t.step, **{k: sum(v) / len(v) for k, v in t.window.items()},
-               "elapsed": time.perf_counter() - t.start_time})
-        t.window.clear()
-    if t.step % args.save_steps == 0 and t.step < args.max_steps:
-        save_checkpoint(t)
-    # log() may ask to stop (a target reached); a signal that came outside the model's passes (this save
-    # included), or under torchrun, stops here, all ranks at once.
-    flags = [float(t.should_stop), float(t.signal == signal.SIGTERM), float(t.signal == signal.SIGINT)]
-    stop, term, interrupt = all_reduce(t, torch.tensor(flags, device=t.device)).tolist()
-    t.should_stop = stop > 0
-    if term or interrupt:
-        raise every_rank(Terminated() if term else KeyboardInterrupt())
+        trainer.window[k].append(v)
+    if trainer.step % args.logging_steps == 0 or trainer.step == args.max_steps:
+        trainer.log({"step": trainer.step, **{k: sum(v) / len(v) for k, v in trainer.window.items()},
+                     "elapsed": trainer.snapshot[trainer.rank]["elapsed"]})
+        trainer.window.clear()
+    if trainer.signal:  # it came during the update, which ended first
+        raise stop_for(trainer.signal)
+    if trainer.step % args.save_steps == 0 and trainer.step < args.max_steps:
+        save_checkpoint(trainer)
+    stop = all_reduce(trainer, torch.tensor(float(trainer.should_stop), device=trainer.device))
+    trainer.should_stop = bool(stop > 0)  # log() may ask to stop (a target reached): every rank stops here
 
-def write_metrics(t, metrics):
-    if t.rank != 0:
+def write_metrics(trainer, metrics):
+    if trainer.rank != 0:
         return
-    with open(os.path.join(t.args.output_dir, "metrics.jsonl"), "a") as f:
+    with open(os.path.join(trainer.args.output_dir, "metrics.jsonl"), "a") as f:
         f.write(json.dumps(metrics) + "\n")
     print(" | ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in metrics.items()))
-    for prompt, completion, reward in t.samples[:4] if t.args.log_completions else []:
+    for prompt, completion, reward in trainer.samples[:4] if trainer.args.log_completions else []:
         prompt = prompt if isinstance(prompt, str) else prompt[-1]["content"]  # a chat's last turn
         print(f"  [reward {reward:+.3f}] {prompt[-60:]!r} -> {completion[:100]!r}")
 
 # Checkpoints: output_dir/checkpoint-<step>, written atomically, loaded without running code, resumed
-# bit-identically on CPU. Ctrl-C, SIGTERM (then exit status 143) or an error out of a step checkpoint the
-# last finished step; under torchrun, only failures all ranks meet at once (a lone rank would wait forever).
-class Terminated(BaseException):  # SIGTERM: SLURM preemption, docker stop
-    pass
+# bit-identically on CPU. Rank 0 holds every rank's part of the last finished step (its snapshot), so
+# it can checkpoint that step at any moment, alone: on Ctrl-C, SIGTERM or SIGHUP (then exit status 128 +
+# the signal), or any error. A signal stops the running step at once, except while the weights or
+# files are written: a scheduler's grace window (SLURM, Kubernetes, torchrun: 30 s) is enough.
+STOP_SIGNALS = [getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, name)]
 
-def every_rank(error):  # an error that every rank raises at the same point: safe to checkpoint together
-    error.on_every_rank = True
-    return error
+def stop_for(signum):  # Ctrl-C: KeyboardInterrupt; SIGTERM (preemption), SIGHUP (ssh lost): exit 128 + signum
+    return KeyboardInterrupt() if signum == signal.SIGINT else SystemExit(128 + signum)
 
-def start_run(t, resume_from_checkpoint):  # resume, or start afresh where it loses no other run's files
-    out, metrics = t.args.output_dir, os.path.join(t.args.output_dir, "metrics.jsonl")
+def start_run(trainer, resume_from_checkpoint):  # check again; resume, or start where no run's work is lost
+    args, out, path = trainer.args, trainer.args.output_dir, resume_from_checkpoint
+    check_config(args)  # fields may have changed since the trainer was made
+    check_inputs(args, trainer.reward_funcs, trainer.dataset)
+    require(args.beta == 0 or trainer.ref_model is not None, "GRPOConfig.beta was 0 when the trainer was "
+            "made, so it has no reference model: make a new GRPOTrainer")
+    model_dir = trainer.model.config._name_or_path
+    require(not (os.path.isdir(model_dir) and os.path.samefile(model_dir, out)), f"output_dir {out!r} is the "
+            "model's own folder, which the run would overwrite: choose another output_dir")
+    if args.gradient_checkpointing and not trainer.model.is_activation_checkpointing:  # set after loading
+        trainer.model.activation_checkpointing_enable({"use_reentrant": False})
+    metrics = os.path.join(out, "metrics.jsonl")
     earlier = list_checkpoints(out) + ([metrics] if os.path.exists(metrics) else [])
-    if resume_from_checkpoint:
-        load_checkpoint(t, resume_from_checkpoint)
-    elif earlier and not t.args.overwrite_output_dir:
-        names = ", ".join(map(os.path.basename, earlier))
-        raise ValueError(f"output_dir {out!r} holds another run ({names}): resume it with train("
-                         "resume_from_checkpoint=True), choose another output_dir, or set "
-                         "overwrite_output_dir=True to delete it and start afresh")
-    else:
-        for path in earlier if t.rank == 0 else []:
-            (shutil.rmtree if os.path.isdir(path) else os.remove)(path)
-        random.seed(t.args.seed + t.rank)
-        torch.manual_seed(t.args.seed + t.rank)  # the same prompts on every rank, different samples
-    t.rng_at_last_step, t.window, t.start_time = rng_state(), defaultdict(list), time.perf_counter()
-    t.signal, t.saved_step, t.rewards_varied, t.flat_in_a_row = None, None, False, 0
+    folder = os.path.dirname(os.path.abspath(path)) if isinstance(path, (str, os.PathLike)) else out
+    own = bool(path) and os.path.realpath(folder) == os.path.realpath(out)  # resuming output_dir's own run
+    require(own or not earlier or args.overwrite_output_dir, f"output_dir {out!r} holds another run ("
+            f"{', '.join(map(os.path.basename, earlier))}): resume it with train(resume_from_checkpoint="
+            "True), choose another output_dir, or set overwrite_output_dir=True (deletes it, starts afresh)")
+    if earlier and not own and trainer.rank == 0:  # its checkpoints, metrics, set-aside work and model
+        aside = [os.path.join(out, n) for n in os.listdir(out) if n.startswith("rolled-back-")]
+        for p in earlier + aside + final_model_files(out):
+            (shutil.rmtree if os.path.isdir(p) else os.remove)(p)
+    new_run(trainer)
+    if path:
+        load_checkpoint(trainer, path)
+    trainer.saved_step = trainer.step if own else None  # a checkpoint is written once, never replaced
+    trainer.snapshot = snapshot(trainer)
+
+def new_run(trainer):  # step 0, seeded; nothing left of an earlier run on this trainer (its gradients too)
+    trainer.step, trainer.batch, trainer.samples = 0, None, []  # batch: a μ cycle's cached generation batch
+    random.seed(trainer.args.seed + trainer.rank)
+    torch.manual_seed(trainer.args.seed + trainer.rank)  # the same prompts on every rank, different samples
+    trainer.optimizer.zero_grad(set_to_none=True)
+    trainer.scheduler, trainer.nonfinite_in_a_row, trainer.flat_in_a_row = lr_schedule(trainer), 0, 0
+    trainer.phase, trainer.seconds, trainer.window = None, dict.fromkeys(PHASES, 0.0), defaultdict(list)
+    trainer.signal, trainer.saving, trainer.should_stop = None, 0, False
+    trainer.start_time = time.perf_counter()
+
+def lr_schedule(trainer, step=0):  # AdamW's learning rate from `step` on: linear decay to 0, or constant
+    args = trainer.args
+    for group in trainer.optimizer.param_groups:  # the config's values, also on a resume that changed them
+        group.update(initial_lr=args.learning_rate, weight_decay=args.weight_decay)
+    decay = (lambda s: 1 - s / args.max_steps) if args.lr_scheduler_type == "linear" else (lambda s: 1.0)
+    return torch.optim.lr_scheduler.LambdaLR(trainer.optimizer, decay, last_epoch=step - 1)
+
+def snapshot(trainer):  # each rank's RNG states, samples, seconds and, inside a μ cycle, cached batch
+    inside = trainer.step % trainer.args.num_iterations  # on the CPU: sent to rank 0 as bytes
+    batch = {k: v.cpu() for k, v in trainer.batch.items()} if inside else None
+    rng = {"python": random.getstate(), "torch": torch.get_rng_state(),
+           "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+    mine = {"step": trainer.step, "rng": rng, "samples": trainer.samples, "batch": batch,
+            "elapsed": time.perf_counter() - trainer.start_time}
+    ranks = [mine] * trainer.world_size
+    if trainer.world_size > 1:  # at the end of the update, a moment every rank reaches together
+        dist.all_gather_object(ranks, mine)
+    return ranks
 
 @contextmanager
-def checkpoint_on_failure(t):
-    def on_signal(signum, frame):  # stop at once only inside the model's passes, or at a second signal;
-        pending, t.signal = t.signal, signum  # else, and under torchrun, at the end of the step
-        if t.world_size == 1 and t.phase != "optimizer" and (t.phase is not None or pending is not None):
-            raise Terminated() if signum == signal.SIGTERM else KeyboardInterrupt()
+def checkpoint_on_failure(trainer):
+    def on_signal(signum, frame):  # stop at once, unless the weights or files are being written, or an
+        trainer.signal = trainer.signal or signum  # error is being handled: then where that ends
+        if trainer.phase != "optimizer" and not trainer.saving and sys.exc_info()[1] is None:
+            raise stop_for(signum)
     main = threading.current_thread() is threading.main_thread()  # the only thread that can set handlers
-    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)} if main else {}
+    if not main:
+        warnings.warn("train() runs outside the main thread, where signals cannot be caught: Ctrl-C, SIGTERM "
+                      "or SIGHUP would end it without a checkpoint of its finished steps", stacklevel=3)
+    previous = {s: signal.signal(s, on_signal) for s in STOP_SIGNALS} if main else {}
     try:
         yield
     except BaseException as e:
-        for s in previous:  # from here on a signal cannot cut the checkpoint of the finished steps short
-            signal.signal(s, signal.SIG_IGN)
-        if t.step > 0 and (t.world_size == 1 or getattr(e, "on_every_rank", False)):
-            set_rng_state(t.rng_at_last_step)  # as if the running step never began
-            save_checkpoint(t)
-        if isinstance(e, Terminated):
-            raise SystemExit(143) from None
+        trainer.saving += 1  # first: from here on a signal waits for the checkpoint of the finished steps
+        if trainer.step > 0 and trainer.snapshot[0]["step"] == trainer.step:
+            save_checkpoint(trainer)
+        elif trainer.step > 0 and trainer.rank == 0:  # the gather of the snapshot failed
+            warnings.warn(f"step {trainer.step} was not checkpointed: another rank failed during its update")
+        if trainer.signal and not isinstance(e, (KeyboardInterrupt, SystemExit)):
+            raise stop_for(trainer.signal) from e  # a collective that failed as another rank stopped
         raise
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
 
-def save_checkpoint(t):  # with every rank's RNG states and, inside a μ cycle, its cached generation batch
-    if t.saved_step == t.step:  # written already (a stop right after a periodic save)
+@contextmanager
+def saving(trainer):  # a signal that comes while files are written waits for them to be complete
+    trainer.saving += 1
+    try:
+        yield
+    finally:
+        trainer.saving -= 1
+    if trainer.signal and not trainer.saving:
+        raise stop_for(trainer.signal)
+
+def save_checkpoint(trainer):  # rank 0, from the snapshot of the last finished step: no collective, no wait
+    args, step = trainer.args, trainer.step
+    if trainer.rank != 0 or trainer.saved_step == step:  # (written already, or resumed from)
         return
-    batch = t.batch if t.step % t.args.num_iterations else None  # inside a μ cycle
-    mine = {"rng": rng_state(), "samples": t.samples, "batch": batch}
-    ranks = [mine] * t.world_size
-    if t.world_size > 1:
-        dist.all_gather_object(ranks, mine)
-    if t.rank == 0:
-        final, keep = os.path.join(t.args.output_dir, f"checkpoint-{t.step}"), t.args.save_total_limit
+    final = os.path.join(args.output_dir, f"checkpoint-{step}")
+    with saving(trainer):
         shutil.rmtree(final + ".tmp", ignore_errors=True)
-        t.model.save_pretrained(final + ".tmp")
-        torch.save({"step": t.step, "optimizer": t.optimizer.state_dict(), "lr_step": t.scheduler.last_epoch,
-                    "config": asdict(t.args), "world_size": t.world_size, "ranks": ranks,
-                    "nonfinite_in_a_row": t.nonfinite_in_a_row}, f"{final}.tmp/trainer_state.pt")
-        if os.path.isdir(final):
-            os.replace(final, final + ".old")  # re-saving: complete at every moment
+        trainer.model.save_pretrained(final + ".tmp")
+        torch.save({"step": step, "optimizer": trainer.optimizer.state_dict(), "config": asdict(args),
+                    "lr_step": trainer.scheduler.last_epoch, "world_size": trainer.world_size,
+                    "ranks": trainer.snapshot, "nonfinite_in_a_row": trainer.nonfinite_in_a_row},
+                   f"{final}.tmp/trainer_state.pt")
         os.replace(final + ".tmp", final)  # atomic: a checkpoint folder is complete or absent
-        shutil.rmtree(final + ".old", ignore_errors=True)
-        for old in list_checkpoints(t.args.output_dir)[:-keep] if keep else []:
+        keep = args.save_total_limit
+        for old in list_checkpoints(args.output_dir)[:-keep] if keep else []:
             shutil.rmtree(old)
-    if t.world_size > 1:
-        dist.barrier()  # no rank goes on (or resumes) before the checkpoint exists
-    t.saved_step = t.step
+        trainer.saved_step = step
 
 SHAPE = ("num_iterations", "num_generations", "per_device_train_batch_size", "gradient_accumulation_steps",
          "world_size")  # what a checkpoint's cached batch, prompt order and RNG states depend on
 CACHED = ("temperature", "beta", "scale_rewards", "reward_weights")  # what a cached batch was made with
 
-def load_checkpoint(t, path):
-    args, found = t.args, list_checkpoints(t.args.output_dir) if path is True else [path]
-    if not found:
-        raise ValueError(f"resume_from_checkpoint=True but {args.output_dir!r} holds no checkpoint")
+def load_checkpoint(trainer, path):
+    args, found = trainer.args, list_checkpoints(trainer.args.output_dir) if path is True else [path]
+    require(found, f"resume_from_checkpoint=True but {args.output_dir!r} holds no checkpoint")
     path, file = found[-1], os.path.join(found[-1], "trainer_state.pt")
-    if not os.path.isfile(file):
-        why = "no trainer_state.pt in it" if os.path.isdir(path) else "no such folder"
-        raise ValueError(f"resume_from_checkpoint={path!r} is not a checkpoint: {why}")
+    require(os.path.isfile(file), f"resume_from_checkpoint={path!r} is not a checkpoint: "
+            + ("no trainer_state.pt in it" if os.path.isdir(path) else "no such folder"))
     try:  # tensors and plain Python values only: a checkpoint from elsewhere cannot run code
-        state = torch.load(file, map_location=t.device, weights_only=True)
+        state = torch.load(file, map_location=trainer.device, weights_only=True)
+        file = os.path.join(path, "model.safetensors")
+        weights = AutoModelForCausalLM.from_pretrained(path, dtype=trainer.model.dtype).state_dict()
     except Exception as e:
         raise ValueError(f"{file} holds objects other than tensors and plain values (it could run code)"
                          if "Weights only load failed" in str(e) else f"{file} is corrupted ({e})") from e
-    later = [c for c in list_checkpoints(args.output_dir) if int(c.rsplit("-", 1)[1]) > state["step"]]
-    if later:  # they would outlive this run's own (save_total_limit, resume_from_checkpoint=True)
-        raise ValueError(f"output_dir {args.output_dir!r} holds checkpoints after {path!r}: {later}; resume "
-                         "into another output_dir, or move them away")
-    then = {**state["config"], "world_size": state["world_size"]}
-    now = {**asdict(args), "world_size": t.world_size}
-    diff = {k: (then[k], now[k]) for k in SHAPE if then[k] != now[k]}
-    if diff:
-        raise ValueError(f"checkpoint {path!r} was written with a different batch shape (then, now): {diff}")
-    mine = state["ranks"][t.rank]
-    stale = [k for k in CACHED if then[k] != now[k]]
-    if stale and mine["batch"] is not None:
-        raise ValueError(f"checkpoint {path!r} is inside a μ cycle whose cached batch was made with other "
-                         f"{stale}: resume with its values, or from a checkpoint at a cycle boundary")
-    changed = [f"{k} {v!r} -> {now.get(k)!r}" for k, v in then.items()
-               if v != now.get(k) and k not in ("output_dir", "overwrite_output_dir")]
+    saved = {**state["config"], "world_size": state["world_size"]}
+    current = {**asdict(args), "world_size": trainer.world_size}
+    diff = {k: (saved[k], current[k]) for k in SHAPE if saved[k] != current[k]}
+    require(not diff, f"checkpoint {path!r} was written with a different batch shape (then, now): {diff}")
+    this_rank = state["ranks"][trainer.rank]
+    remade = [k for k in CACHED if saved[k] != current[k]]
+    require(not remade or this_rank["batch"] is None, f"checkpoint {path!r} is inside a μ cycle whose "
+            f"cached batch was made with other {remade}: resume with its values, or from a cycle boundary")
+    changed = [f"{k} {v!r} -> {current.get(k)!r}" for k, v in saved.items()
+               if v != current.get(k) and k not in ("output_dir", "overwrite_output_dir")]
     if changed:
         warnings.warn(f"resuming {path!r} with another config; the new values apply: {', '.join(changed)}")
     if state["step"] >= args.max_steps:
         warnings.warn(f"checkpoint {path!r} is at step {state['step']} and max_steps={args.max_steps}: "
-                      "nothing is left to train; the checkpoint and the final model are saved again")
-    t.model.load_state_dict(AutoModelForCausalLM.from_pretrained(path, dtype=t.model.dtype).state_dict())
-    t.optimizer.load_state_dict(state["optimizer"])
-    for group in t.optimizer.param_groups:  # the config's learning rate and weight decay apply
-        group.update(initial_lr=args.learning_rate, weight_decay=args.weight_decay)
-    decay = t.scheduler.lr_lambdas[0]  # rebuilt at the schedule's own step: skipped steps don't count
-    t.scheduler = torch.optim.lr_scheduler.LambdaLR(t.optimizer, decay, last_epoch=state["lr_step"] - 1)
-    t.step, t.nonfinite_in_a_row = state["step"], state["nonfinite_in_a_row"]
-    t.batch, t.samples = mine["batch"], mine["samples"]
-    set_rng_state(mine["rng"])
+                      "nothing is left to train; the final model is saved again")
+    if trainer.rank == 0:
+        set_aside_after(trainer, state["step"])
+    trainer.model.load_state_dict(weights)
+    trainer.optimizer.load_state_dict(state["optimizer"])
+    trainer.step, trainer.nonfinite_in_a_row = state["step"], state["nonfinite_in_a_row"]
+    trainer.batch, trainer.samples = this_rank["batch"], this_rank["samples"]
+    random.setstate(this_rank["rng"]["python"])
+    torch.set_rng_state(this_rank["rng"]["torch"].cpu())
+    if this_rank["rng"]["cuda"] is not None:
+        torch.cuda.set_rng_state_all([s.cpu() for s in this_rank["rng"]["cuda"]])
+    trainer.scheduler = lr_schedule(trainer, state["lr_step"])
+    trainer.start_time -= this_rank.get("elapsed", 0.0)  # the clock goes on (earlier versions: not saved)
 
-def rng_state():
-    return {"python": random.getstate(), "torch": torch.get_rng_state(),
-            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+def set_aside_after(trainer, step):  # what output_dir's run logged after `step`: a roll-back keeps it aside
+    out, metrics = trainer.args.output_dir, os.path.join(trainer.args.output_dir, "metrics.jsonl")
+    later = [c for c in list_checkpoints(out) if int(c.rsplit("-", 1)[1]) > step]
+    rows = open(metrics).read().splitlines(keepends=True) if os.path.exists(metrics) else []
+    kept, past = [], []
+    for row in rows:  # a line that a crash cut short (no newline) goes too
+        (kept if row.endswith("\n") and json.loads(row)["step"] <= step else past).append(row)
+    if later:  # else save_total_limit or resume_from_checkpoint=True would pick them over this run's own
+        aside = tempfile.mkdtemp(prefix=f"rolled-back-to-{step}-", dir=out)
+        for p in later + final_model_files(out):
+            shutil.move(p, aside)
+        with open(os.path.join(aside, "metrics.jsonl"), "w") as f:
+            f.writelines(past)
+        warnings.warn(f"rolling back to step {step}: {', '.join(map(os.path.basename, later))} and the later "
+                      f"metrics are set aside in {aside}")
+    if past:  # the resumed run logs these steps again
+        with open(metrics + ".tmp", "w") as f:
+            f.writelines(kept)
+        os.replace(metrics + ".tmp", metrics)
 
-def set_rng_state(state):
-    random.setstate(state["python"])
-    torch.set_rng_state(state["torch"].cpu())
-    if state["cuda"] is not None:
-        torch.cuda.set_rng_state_all([s.cpu() for s in state["cuda"]])
+def final_model_files(out):  # what save_pretrained wrote into output_dir at the end of a run
+    names = ("config.json", "generation_config.json", "model*.safetensors*", "tokenizer*", "vocab.json",
+             "merges.txt", "special_tokens_map.json", "added_tokens.json", "chat_template.*")
+    return [os.path.join(out, n) for n in os.listdir(out) if any(fnmatch.fnmatch(n, p) for p in names)]
 
-def list_checkpoints(output_dir):  # the complete ones, oldest first, once a re-save cut short is settled
+def list_checkpoints(output_dir):  # the complete ones, oldest first (not checkpoint-<step>.tmp)
     names = os.listdir(output_dir) if os.path.isdir(output_dir) else []
-    for n in (n for n in names if n.endswith(".old")):  # the old copy of a step being saved again
-        old, new = os.path.join(output_dir, n), os.path.join(output_dir, n.removesuffix(".old"))
-        with suppress(FileNotFoundError):  # another rank got there first
-            if os.path.isdir(new):
-                shutil.rmtree(old)  # the new copy is in place
-            else:
-                os.replace(old, new)  # the new copy never arrived: the old one comes back
-    steps = {n.removeprefix("checkpoint-").removesuffix(".old") for n in names if n.startswith("checkpoint-")}
-    return [os.path.join(output_dir, f"checkpoint-{s}") for s in sorted(int(s) for s in steps if s.isdigit())]
+    steps = [int(n[11:]) for n in names if n.startswith("checkpoint-") and n[11:].isdigit()]
+    return [os.path.join(output_dir, f"checkpoint-{s}") for s in sorted(steps)]
 
 # Input checks: every bad input fails at start, or as soon as it shows, with a message that names it.
+def require(ok, message, error=ValueError):
+    if not ok:
+        raise error(message)
+
 def check_config(c):
     if isinstance(c.scale_rewards, bool):  # TRL's older boolean form
         c.scale_rewards = "group" if c.scale_rewards else "none"
@@ -650,7 +704,6 @@ def check_config(c):
         if kind is float and value is not None and not math.isfinite(value):  # inf, nan: never what is meant
             raise ValueError(f"GRPOConfig.{name}={value!r} must be finite")
         setattr(c, name, value)
-    c.epsilon_high = c.epsilon if c.epsilon_high is None else c.epsilon_high
     at_least_1 = ("num_iterations", "max_steps", "per_device_train_batch_size", "gradient_accumulation_steps",
                   "max_completion_length", "logging_steps", "save_steps", "max_prompt_length",
                   "save_total_limit")
@@ -662,58 +715,51 @@ def check_config(c):
         ("loss_type", c.loss_type in ("grpo", "dapo", "dr_grpo"), "must be 'grpo', 'dapo' or 'dr_grpo'"),
         ("scale_rewards", c.scale_rewards in ("group", "none"), "must be 'group' or 'none'"),
         ("lr_scheduler_type", c.lr_scheduler_type in ("linear", "constant"), "must be linear or constant")]
-    checks += [(n, getattr(c, n) > 0, "must be > 0") for n in ("epsilon_high", "temperature")]
+    checks += [(n, getattr(c, n) is None or getattr(c, n) > 0, "must be > 0") for n in ("epsilon_high",
+                                                                                       "temperature")]
     checks += [(n, getattr(c, n) >= 0, "must be >= 0") for n in ("beta", "learning_rate", "weight_decay",
                                                                  "max_grad_norm")]
     for name, ok, rule in checks:
-        if not ok:
-            raise ValueError(f"GRPOConfig.{name}={getattr(c, name)!r} {rule}")
+        require(ok, f"GRPOConfig.{name}={getattr(c, name)!r} {rule}")
 
 def check_inputs(args, reward_funcs, dataset):
     per_step = args.per_device_train_batch_size * args.gradient_accumulation_steps
-    if per_step % args.num_generations:
-        raise ValueError(f"per_device_train_batch_size × gradient_accumulation_steps = {per_step} "
-                         f"completions per optimizer step (per device) is not divisible by num_generations="
-                         f"{args.num_generations}; each prompt's whole group must be in the same step")
+    require(per_step % args.num_generations == 0, "per_device_train_batch_size × gradient_accumulation_"
+            f"steps = {per_step} completions per optimizer step (per device) is not divisible by "
+            f"num_generations={args.num_generations}; each prompt's whole group must be in the same step")
     funcs = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
-    if not funcs or not all(map(callable, funcs)):
-        raise TypeError(f"reward_funcs must be a function or a non-empty list of them, got {reward_funcs!r}")
-    if args.reward_weights is not None and len(args.reward_weights) != len(funcs):
-        raise ValueError(f"GRPOConfig.reward_weights has {len(args.reward_weights)} weights for {len(funcs)} "
-                         "reward functions; give one weight per function")
+    require(funcs and all(map(callable, funcs)), "reward_funcs must be a function or a non-empty list of "
+            f"them, got {reward_funcs!r}", TypeError)
+    weights = args.reward_weights or funcs
+    require(len(weights) == len(funcs), f"GRPOConfig.reward_weights has {len(weights)} weights for "
+            f"{len(funcs)} reward functions; give one weight per function")
     with suppress(OSError):
         os.makedirs(args.output_dir, exist_ok=True)
-    if not (os.path.isdir(args.output_dir) and os.access(args.output_dir, os.W_OK)):
-        raise ValueError(f"output_dir {args.output_dir!r} is not a folder this process can write")
+    require(os.path.isdir(args.output_dir) and os.access(args.output_dir, os.W_OK),
+            f"output_dir {args.output_dir!r} is not a folder this process can write")
     return funcs, check_dataset(dataset)
 
 def check_dataset(dataset):  # a map-style datasets.Dataset, or a list of rows like {"prompt": ...}
     rows = isinstance(dataset, list) and all(isinstance(row, dict) for row in dataset)
-    if not (rows or isinstance(dataset, Dataset)):
-        raise TypeError("train_dataset must be a map-style datasets.Dataset (prompts are drawn by index: no "
-                        f"streaming), or a list of rows like {{'prompt': ...}}; got {type(dataset).__name__}")
-    if len(dataset) == 0:
-        raise ValueError("train_dataset is empty")
+    require(rows or isinstance(dataset, Dataset), "train_dataset must be a map-style datasets.Dataset "
+            "(prompts are drawn by index: no streaming), or a list of rows like {'prompt': ...}; got "
+            f"{type(dataset).__name__}", TypeError)
+    require(len(dataset) > 0, "train_dataset is empty")
     columns = set(dataset[0]) if rows else set(dataset.column_names)
-    if rows and any(set(row) != columns for row in dataset):  # from_list would drop keys the first row lacks
-        raise ValueError(f"train_dataset's rows must all have the keys of its first row, {sorted(columns)}")
-    if "prompt" not in columns:
-        raise ValueError(f"train_dataset has no 'prompt' column (columns: {sorted(columns)})")
+    require(not rows or all(set(row) == columns for row in dataset),  # from_list would drop the others' keys
+            f"train_dataset's rows must all have the keys of its first row, {sorted(columns)}")
+    require("prompt" in columns, f"train_dataset has no 'prompt' column (columns: {sorted(columns)})")
     taken = sorted(columns & {"prompts", "completions", "completion_ids"})
-    if taken:
-        raise ValueError(f"train_dataset's columns {taken} are named like reward function arguments: "
-                         "rename them")
+    require(not taken, f"train_dataset's columns {taken} are named like reward function arguments: rename")
     prompts = [row["prompt"] for row in dataset] if rows else dataset["prompt"]
     for i, p in enumerate(prompts):
         chat = isinstance(p, list) and p and all(isinstance(m, dict) and {"role", "content"} <= set(m)
                                                  for m in p)
-        if isinstance(p, str) and not p.strip():
-            raise ValueError(f"train_dataset prompt {i} is an empty string")
-        if not (isinstance(p, str) or chat):
-            raise ValueError(f"train_dataset prompt {i} is neither text nor a conversation (a list of "
-                             f"{{'role', 'content'}} messages): {p!r:.80}")
-        if isinstance(p, str) != isinstance(prompts[0], str):
-            raise ValueError(f"train_dataset's prompt column mixes plain text and conversations (prompt {i})")
+        require(not isinstance(p, str) or p.strip(), f"train_dataset prompt {i} is an empty string")
+        require(isinstance(p, str) or chat, f"train_dataset prompt {i} is neither text nor a conversation (a "
+                f"list of {{'role', 'content'}} messages): {p!r:.80}")
+        require(isinstance(p, str) == isinstance(prompts[0], str),
+                f"train_dataset's prompt column mixes plain text and conversations (prompt {i})")
     return Dataset.from_list(dataset) if rows else dataset
 
 def check_prompt_ids(ids, max_prompt_length):
@@ -730,17 +776,16 @@ def call_reward(f, kwargs):  # f's rewards as a float32 column, NaN for None; el
         values = f(**kwargs)
     except Exception as e:
         raise RuntimeError(f"reward function {name!r} raised {type(e).__name__}: {e}") from e
-    if isinstance(values, (Mapping, str)) or not hasattr(values, "__len__"):
-        raise TypeError(f"reward function {name!r} returned a {type(values).__name__}; it must return a list "
-                        "with one number (or None) per completion")
-    if len(values) != len(completions):
-        raise ValueError(f"reward function {name!r} returned {len(values)} values for {len(completions)} "
-                         "completions; it must return one number (or None) per completion")
+    require(hasattr(values, "__len__") and not isinstance(values, (Mapping, str)), f"reward function "
+            f"{name!r} returned a {type(values).__name__}; it must return a list with one number (or None) "
+            "per completion", TypeError)
+    require(len(values) == len(completions), f"reward function {name!r} returned {len(values)} values for "
+            f"{len(completions)} completions; it must return one number (or None) per completion")
     for i, v in enumerate(values):
         scalar = torch.is_tensor(v) and v.numel() == 1
-        if v is not None and not (isinstance(v, numbers.Real) and not isinstance(v, bool) or scalar):
-            raise TypeError(f"reward function {name!r} returned {v!r} ({type(v).__name__}) for completion "
-                            f"{i}; rewards must be numbers (or None)")
+        require(v is None or isinstance(v, numbers.Real) and not isinstance(v, bool) or scalar, f"reward "
+                f"function {name!r} returned {v!r} ({type(v).__name__}) for completion {i}; rewards must be "
+                "numbers (or None)", TypeError)
     column = torch.tensor([math.nan if v is None else float(v) for v in values], dtype=torch.float32)
     overflow = [i for i, v in enumerate(values) if v is not None and not column[i].isfinite()]  # 1e39: inf
     if overflow:
@@ -759,44 +804,40 @@ def check_scored(rewards_per_func, completions):
 
 # Loading: a hub id, a folder or a model, checked for what training and per_token_logps assume.
 def load_policy(model, processing_class, args, device):
-    if not isinstance(model, (PreTrainedModel, str, os.PathLike)):
-        raise TypeError(f"model must be a hub id, a folder or a PreTrainedModel, got {type(model).__name__}")
+    require(isinstance(model, (PreTrainedModel, str, os.PathLike)),
+            f"model must be a hub id, a folder or a PreTrainedModel, got {type(model).__name__}", TypeError)
     if not isinstance(model, PreTrainedModel):
         model = from_disk_or_hub(AutoModelForCausalLM, str(model), dtype=torch.float32)
     model = model.to(device).train()
-    if not any(p.requires_grad for p in model.parameters()):
-        raise ValueError(f"{type(model).__name__} has no trainable parameter (requires_grad is all False)")
+    require(any(p.requires_grad for p in model.parameters()),
+            f"{type(model).__name__} has no trainable parameter (requires_grad is all False)")
     for m in model.modules():  # no dropout: the same weights must give the same log-probs (π_old = π_θ)
         if isinstance(m, torch.nn.Dropout):
             m.p = 0.0
         if isinstance(getattr(m, "attention_dropout", None), float):
             m.attention_dropout = 0.0  # functional
-    if args.gradient_checkpointing:
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-    if processing_class is None and not model.config._name_or_path:
-        raise ValueError("the model was built in memory, so it names no tokenizer: pass processing_class")
+    require(processing_class is not None or model.config._name_or_path,
+            "the model was built in memory, so it names no tokenizer: pass processing_class")
     tokenizer = processing_class or from_disk_or_hub(AutoTokenizer, model.config._name_or_path)
-    if tokenizer.eos_token_id is None:
-        raise ValueError("the tokenizer has no eos_token, so completions could never end: set one")
+    require(tokenizer.eos_token_id is not None, "the tokenizer has no eos_token: completions could never end")
     if tokenizer.pad_token_id is None:  # padding is masked out, so any id will do; EOS is the usual choice
         tokenizer.pad_token = tokenizer.eos_token
     vocab = model.get_input_embeddings().num_embeddings
     for name in ("eos_token_id", "pad_token_id"):
-        if not 0 <= getattr(tokenizer, name) < vocab:
-            raise ValueError(f"the tokenizer's {name}={getattr(tokenizer, name)} is outside the model's "
-                             f"vocabulary of {vocab} tokens: they do not belong together")
+        require(0 <= getattr(tokenizer, name) < vocab, f"the tokenizer's {name}={getattr(tokenizer, name)} "
+                f"is outside the model's vocabulary of {vocab} tokens: they do not belong together")
     with torch.no_grad():  # per_token_logps computes logits as lm_head(last hidden state): check that
         ids = torch.tensor([[tokenizer.eos_token_id] * 3], device=device)
         lean = model.get_output_embeddings()(model.get_decoder()(input_ids=ids).last_hidden_state)
-        if not torch.allclose(model(input_ids=ids).logits, lean, rtol=1e-3, atol=1e-3):
-            raise ValueError(f"{type(model).__name__}'s logits are not lm_head(hidden states) (softcapping "
-                             "or scaling?); per_token_logps would compute wrong log-probs for it")
+        require(torch.allclose(model(input_ids=ids).logits, lean, rtol=1e-3, atol=1e-3),
+                f"{type(model).__name__}'s logits are not lm_head(hidden states) (softcapping or scaling?); "
+                "per_token_logps would compute wrong log-probs for it")
     return model, tokenizer
 
 def from_disk_or_hub(cls, name, **kwargs):  # hub unreachable: the local cache only, to fail in seconds
     local = os.path.isdir(name)
-    if not local and (os.path.isabs(name) or name.startswith(".")):
-        raise ValueError(f"could not load {name!r}: there is no such folder")
+    require(local or not (os.path.isabs(name) or name.startswith(".")),
+            f"could not load {name!r}: there is no such folder")
     offline = not local and not hub_reachable()
     if cls is AutoModelForCausalLM:  # with peft installed, its adapter lookup ignores local_files_only
         kwargs["adapter_kwargs"] = {"local_files_only": offline}
@@ -808,16 +849,11 @@ def from_disk_or_hub(cls, name, **kwargs):  # hub unreachable: the local cache o
                  "it is not a local folder, and the hub did not give it")
         raise ValueError(f"could not load {name!r}: {where} ({str(e).splitlines()[0]})") from e
 
-def hub_reachable(timeout=3.0):  # one HTTP request, through the proxy if one is set; any answer will do
+def hub_reachable(timeout=3.0):  # one HEAD request with the hub library's own session (proxy, certificates)
     if os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes"):
         return False
     try:
-        urllib.request.urlopen(urllib.request.Request(huggingface_hub.constants.ENDPOINT, method="HEAD"),
-                               timeout=timeout).close()
-    except urllib.error.HTTPError:  # a status such as 404 is an answer too
-        pass
-    except urllib.error.URLError as e:  # no answer, unless TLS answered (a proxy with its own certificate)
-        return isinstance(e.reason, ssl.SSLError)
-    except OSError:  # timed out
+        huggingface_hub.get_session().head(huggingface_hub.constants.ENDPOINT, timeout=timeout)
+    except Exception:  # no answer in time (any HTTP status, 404 included, is an answer)
         return False
     return True

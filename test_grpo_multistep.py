@@ -12,7 +12,9 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
+import types
 
 import pytest
 import torch
@@ -185,6 +187,21 @@ def test_clip_range_is_asymmetric_with_epsilon_high():
     loss.backward()
     assert (logps.grad[0] == 0).tolist() == [False, True]
     assert stats["clip_high"].item() == 1
+
+
+def test_the_loss_needs_only_the_configs_fields_and_reads_epsilon_high_none_as_epsilon():
+    """grpo_loss copied alone works on any object with GRPOConfig's fields; epsilon_high=None means ε (TRL)."""
+    fields = dict(epsilon=0.1, beta=0.0, loss_type="grpo", max_completion_length=4)
+    old_logps, advantages = torch.zeros(2, 4), torch.tensor([1.0, -1.0])
+    results = []
+    for epsilon_high in (None, 0.1):
+        logps = torch.log(torch.tensor([[0.85, 0.95, 1.05, 1.15]] * 2)).requires_grad_()
+        loss, stats = grpo_loss(logps, old_logps, None, advantages, torch.ones(2, 4),
+                                types.SimpleNamespace(**fields, epsilon_high=epsilon_high), 2, 8)
+        loss.backward()
+        results.append((loss, logps.grad, stats["clip_low"], stats["clip_high"]))
+    assert all(torch.equal(a, b) for a, b in zip(*results))
+    assert (results[0][2].item(), results[0][3].item()) == (1, 1)  # 0.85 < 1 - ε with A < 0; 1.15 > 1 + ε, A > 0
 
 
 def test_kl_is_zero_with_zero_gradient_while_policy_equals_reference():
@@ -554,6 +571,7 @@ def run_to_end(tmp_path, name, resume=None, stop_at=None, **overrides):
 
     class Recorder(GRPOTrainer):
         def log(self, metrics):
+            super().log(metrics)  # metrics.jsonl
             logged.append({k: v for k, v in metrics.items() if not k.startswith("time") and k != "elapsed"})
             if metrics["step"] == stop_at:
                 raise KeyboardInterrupt
@@ -589,6 +607,8 @@ def test_ctrl_c_writes_a_checkpoint_that_resumes_bit_identically(tmp_path):
         run_to_end(tmp_path, "b", stop_at=5)       # between the checkpoints of steps 4 and 6
     assert os.path.isdir(tmp_path / "b" / "checkpoint-5")
     assert_same_run(uninterrupted, run_to_end(tmp_path, "b", resume=True))  # True: the newest in output_dir
+    elapsed = [json.loads(line)["elapsed"] for line in open(tmp_path / "b" / "metrics.jsonl")]
+    assert len(elapsed) == 6 and elapsed == sorted(elapsed)  # the clock goes on across the resume
 
 
 KILLED_WHILE_SAVING = """
@@ -622,9 +642,11 @@ def test_a_process_killed_while_writing_a_checkpoint_leaves_the_previous_one_loa
         process.kill()
         process.wait()
     run = tmp_path / "run"
-    assert sorted(os.listdir(run)) == ["checkpoint-2", "checkpoint-4.tmp"]  # half-written, under a temporary name
+    assert sorted(os.listdir(run)) == ["checkpoint-2", "checkpoint-4.tmp", "metrics.jsonl"]  # half-written: .tmp
     assert gm.list_checkpoints(str(run)) == [str(run / "checkpoint-2")]
+    assert [r["step"] for r in metrics_of(run)] == [1, 2, 3, 4]  # steps 3, 4: done, but not checkpointed
     assert_same_run(run_to_end(tmp_path, "a"), run_to_end(tmp_path, "run", resume=True))
+    assert [r["step"] for r in metrics_of(run)] == [1, 2, 3, 4, 5, 6]  # each step once
 
 
 def test_save_total_limit_keeps_the_newest_checkpoints(tmp_path):
@@ -632,22 +654,23 @@ def test_save_total_limit_keeps_the_newest_checkpoints(tmp_path):
     assert [os.path.basename(c) for c in gm.list_checkpoints(str(tmp_path / "a"))] == ["checkpoint-5", "checkpoint-6"]
 
 
-def test_resuming_an_older_checkpoint_where_newer_ones_lie_is_refused(tmp_path):
-    """checkpoint-6 would outlive the resumed run's own checkpoint-5 (save_total_limit keeps the newest; a
-    later resume_from_checkpoint=True would pick it): resume into another output_dir instead."""
-    run_to_end(tmp_path, "a", save_steps=1)
-    with pytest.raises(ValueError, match="checkpoints after"):
-        run_to_end(tmp_path, "a", resume=str(tmp_path / "a" / "checkpoint-4"))
-    run_to_end(tmp_path, "b", resume=str(tmp_path / "a" / "checkpoint-4"))
-
-
-def test_a_re_save_cut_short_is_settled_when_checkpoints_are_listed(tmp_path):
-    """A death between the two renames of a re-save leaves checkpoint-2.old beside checkpoint-2 (the new
-    copy, complete) or alone (the new copy never arrived): the first is removed, the second put back."""
-    for name in ("checkpoint-2", "checkpoint-2.old", "checkpoint-3.old"):
-        os.makedirs(tmp_path / name)
-    assert gm.list_checkpoints(str(tmp_path)) == [str(tmp_path / "checkpoint-2"), str(tmp_path / "checkpoint-3")]
-    assert sorted(os.listdir(tmp_path)) == ["checkpoint-2", "checkpoint-3"]
+def test_rolling_back_to_an_older_checkpoint_sets_the_later_work_aside_and_resumes_exactly(tmp_path):
+    """Resuming checkpoint-1 of a run that reached checkpoint-2 (going back to a good point) runs like a run
+    that never stopped. checkpoint-2, the final model and the metrics after step 1 are moved aside, named in
+    a warning, never deleted: no later resume_from_checkpoint=True or save_total_limit can pick them."""
+    uninterrupted = run_to_end(tmp_path, "whole")
+    run_to_end(tmp_path, "a", max_steps=2, save_steps=1)
+    with pytest.warns(UserWarning, match="rolling back to step 1: checkpoint-2") as warned:
+        rolled_back = run_to_end(tmp_path, "a", resume=str(tmp_path / "a" / "checkpoint-1"), save_steps=1,
+                                 save_total_limit=2)
+    assert_same_run(uninterrupted, rolled_back)
+    aside = tmp_path / "a" / next(n for n in os.listdir(tmp_path / "a") if n.startswith("rolled-back-to-1-"))
+    assert any(str(aside) in str(w.message) for w in warned)
+    assert sorted(os.listdir(aside)) == ["chat_template.jinja", "checkpoint-2", "config.json", "generation_config.json",
+                                         "metrics.jsonl", "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
+    assert [r["step"] for r in metrics_of(aside)] == [2]
+    assert [r["step"] for r in metrics_of(tmp_path / "a")] == [1, 2, 3, 4, 5, 6]
+    assert checkpoints(tmp_path / "a") == ["checkpoint-5", "checkpoint-6"]
 
 
 def test_resume_rejects_a_folder_that_is_not_a_checkpoint_or_has_another_batch_shape(tmp_path):
@@ -908,14 +931,15 @@ def test_a_checkpoint_that_would_run_code_is_refused(tmp_path):
 
 
 @pytest.mark.parametrize("damage", ["empty", "truncated"])
-def test_an_empty_or_truncated_checkpoint_is_called_corrupt(tmp_path, damage):
-    """A trainer_state.pt cut short (a full disk, a broken copy) is named corrupt, not a pickle error."""
+@pytest.mark.parametrize("name", ["trainer_state.pt", "model.safetensors"])
+def test_an_empty_or_truncated_checkpoint_file_is_named_corrupt(tmp_path, damage, name):
+    """A checkpoint file cut short (a full disk, a broken copy) is named, with its path, as corrupt."""
     make_trainer(tmp_path, save_steps=1).train()
-    state_file = tmp_path / "out" / "checkpoint-1" / "trainer_state.pt"
-    data = state_file.read_bytes()
-    state_file.write_bytes(b"" if damage == "empty" else data[:len(data) // 2])
-    with pytest.raises(ValueError, match="corrupt"):
-        make_trainer(tmp_path, save_steps=1).train(resume_from_checkpoint=str(state_file.parent))
+    damaged = tmp_path / "out" / "checkpoint-1" / name
+    data = damaged.read_bytes()
+    damaged.write_bytes(b"" if damage == "empty" else data[:len(data) // 2])
+    with pytest.raises(ValueError, match=re.escape(str(damaged)) + ".*corrupt"):
+        make_trainer(tmp_path, save_steps=1).train(resume_from_checkpoint=str(damaged.parent))
 
 
 def metrics_of(out):
@@ -953,30 +977,89 @@ def test_a_failing_reward_function_keeps_the_finished_steps(tmp_path, failure, e
     assert_resumes_like_a_run_that_never_stopped(tmp_path, flaky_reward)  # its 3rd call is past: it works now
 
 
-SIGTERM_IN_STEP_3 = """
-import os, signal, sys
+A_60_S_CALL_IN_STEP_3 = """
+import functools, os, sys, time
 from pathlib import Path
 sys.path[:0] = [{here!r}]
 import test_grpo_multistep as t, grpo_multistep as gm
 generate, calls = gm.generate_completions, []
-def preempted(*args):
-    calls.append(1)
-    if len(calls) == 3:  # step 3 is generating when the scheduler's preemption notice arrives
-        os.kill(os.getpid(), signal.SIGTERM)
-    return generate(*args)
-gm.generate_completions = preempted
+def slow(function):  # its 3rd call (step 3) takes 60 s: a long generation, an LLM judge
+    @functools.wraps(function)
+    def wrapped(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            open({flag!r}, "w").close()
+            time.sleep(60)
+        return function(*args, **kwargs)
+    return wrapped
+if {phase!r} == "generate":
+    gm.generate_completions = slow(generate)
+t.make_trainer(Path({tmp!r}), slow(t.short_is_good) if {phase!r} == "reward" else t.short_is_good,
+               max_steps=4, save_steps=100).train()
+"""
+
+
+def run_until(script, flag, signum, env=None, command=None):
+    """Run `script` in a child process, send it `signum` once `flag` exists; its exit status and the seconds
+    from the signal to its exit."""
+    process = subprocess.Popen(command or [sys.executable, "-c", script],
+                               env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+    try:
+        for _ in range(1200):
+            if flag.exists() or process.poll() is not None:
+                break
+            time.sleep(0.1)
+        assert flag.exists(), f"the child never reached its slow call (exit status {process.poll()})"
+        sent = time.monotonic()
+        process.send_signal(signum)
+        return process.wait(timeout=60), time.monotonic() - sent
+    finally:
+        process.kill()
+        process.wait()
+
+
+@pytest.mark.parametrize("phase,signum,status", [("generate", signal.SIGTERM, 143), ("reward", signal.SIGTERM, 143),
+                                                 ("reward", signal.SIGHUP, 129)])
+def test_a_signal_stops_a_60_s_step_within_seconds_keeping_the_finished_steps(tmp_path, phase, signum, status):
+    """SIGTERM (preemption: SLURM and Kubernetes send SIGKILL about 30 s later) or SIGHUP (a lost ssh session)
+    during step 3's 60 s generation or reward call: that step is abandoned, checkpoint-2 is written, and the
+    process exits with status 128 + the signal within seconds. The checkpoint resumes bit-identically."""
+    flag = tmp_path / "slow"
+    script = A_60_S_CALL_IN_STEP_3.format(here=os.path.dirname(os.path.abspath(__file__)), flag=str(flag),
+                                          tmp=str(tmp_path), phase=phase)
+    code, seconds = run_until(script, flag, signum)
+    assert code == status and seconds < 20, (code, seconds)
+    assert checkpoints(tmp_path / "out") == ["checkpoint-2"]
+    assert_resumes_like_a_run_that_never_stopped(tmp_path)
+
+
+A_SLOW_FINAL_SAVE = """
+import sys, time, torch
+from pathlib import Path
+sys.path[:0] = [{here!r}]
+import test_grpo_multistep as t
+save = torch.save
+def slow_save(obj, path, *args, **kwargs):
+    if isinstance(obj, dict) and obj.get("step") == 4:  # the final checkpoint: the model is written already
+        open({flag!r}, "w").close()
+        time.sleep(3)
+    save(obj, path, *args, **kwargs)
+torch.save = slow_save
 t.make_trainer(Path({tmp!r}), max_steps=4, save_steps=100).train()
 """
 
 
-def test_sigterm_keeps_the_finished_steps_and_exits_with_143(tmp_path):
-    """SIGTERM (preemption, `kill`, a time limit) checkpoints the last finished step, then exits with 143."""
-    script = SIGTERM_IN_STEP_3.format(here=os.path.dirname(os.path.abspath(__file__)), tmp=str(tmp_path))
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert result.returncode in (143, -signal.SIGTERM), result.stderr[-3000:]  # a shell shows both as 143
-    assert "checkpoint-2" in checkpoints(tmp_path / "out")
-    assert_resumes_like_a_run_that_never_stopped(tmp_path)
+def test_a_signal_during_the_final_save_waits_for_the_checkpoint_and_the_model(tmp_path):
+    """SIGTERM while the final checkpoint is written: it and the final model are completed, then exit 143."""
+    flag = tmp_path / "saving"
+    script = A_SLOW_FINAL_SAVE.format(here=os.path.dirname(os.path.abspath(__file__)), flag=str(flag),
+                                      tmp=str(tmp_path))
+    code, seconds = run_until(script, flag, signal.SIGTERM)
+    assert code == 143 and seconds < 20, (code, seconds)
+    out = tmp_path / "out"
+    assert checkpoints(out) == ["checkpoint-4"] and not os.path.exists(out / "checkpoint-4.tmp")
+    assert torch.load(out / "checkpoint-4" / "trainer_state.pt", weights_only=True)["step"] == 4
+    assert (out / "model.safetensors").exists() and (out / "tokenizer.json").exists()
 
 
 ONE_RANK_FAILS = """
@@ -1027,20 +1110,38 @@ def test_a_signal_during_the_weight_update_waits_for_the_step_to_end(tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(whole.model.parameters(), resumed.model.parameters()))
 
 
-def test_a_signal_while_the_rewards_are_computed_waits_for_the_step_to_end_and_a_second_one_does_not(tmp_path):
-    """Outside the model's passes a signal is acted on once the step is done (a reward function, a metrics
-    line or a checkpoint is never left half-way); a second signal stops at once, keeping the finished steps."""
-    for signals, kept in ((1, "checkpoint-2"), (2, "checkpoint-1")):
-        calls = []
-        def interrupted_in_step_2(completion_ids, **kw):
-            calls.append(1)
-            for _ in range(signals if len(calls) == 2 else 0):
-                os.kill(os.getpid(), signal.SIGINT)
-            return short_is_good(completion_ids)
-        out = f"out{signals}"
-        with pytest.raises(KeyboardInterrupt):
-            make_trainer(tmp_path, reward_funcs=interrupted_in_step_2, max_steps=4, output_dir=str(tmp_path / out)).train()
-        assert checkpoints(tmp_path / out) == [kept]
+def test_train_again_on_the_same_trainer_after_ctrl_c_resumes_exactly(tmp_path, monkeypatch):
+    """Ctrl-C between the two backward passes of step 3 leaves half a gradient in .grad (the notebook case):
+    train(resume_from_checkpoint=True) on the same trainer object must not add it into the resumed step."""
+    loss, calls = gm.grpo_loss, []
+    def interrupted(*args):  # micro-batches 1-2 are step 1, 3-4 step 2, 5-6 step 3
+        calls.append(1)
+        if len(calls) == 6:
+            raise KeyboardInterrupt
+        return loss(*args)
+    monkeypatch.setattr(gm, "grpo_loss", interrupted)
+    trainer = make_trainer(tmp_path, max_steps=4, save_steps=100)
+    with pytest.raises(KeyboardInterrupt):
+        trainer.train()
+    assert checkpoints(tmp_path / "out") == ["checkpoint-2"]
+    assert any(p.grad is not None for p in trainer.model.parameters())  # what the interruption left
+    monkeypatch.setattr(gm, "grpo_loss", loss)
+    trainer.train(resume_from_checkpoint=True)
+    whole = make_trainer(tmp_path, max_steps=4, save_steps=100, output_dir=str(tmp_path / "whole")).train()
+    assert all(torch.equal(a, b) for a, b in zip(whole.model.parameters(), trainer.model.parameters()))
+    assert metrics_of(tmp_path / "out") == metrics_of(tmp_path / "whole")
+
+
+def test_train_outside_the_main_thread_says_that_signals_cannot_be_caught(tmp_path):
+    trainer, caught = make_trainer(tmp_path), []
+    def run():
+        with pytest.warns(UserWarning, match="outside the main thread") as record:
+            trainer.train()
+        caught.extend(record)
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join()
+    assert caught and trainer.step == 2
 
 
 def test_a_signal_during_a_periodic_save_stops_after_it_not_a_step_later(tmp_path, monkeypatch):
@@ -1105,6 +1206,42 @@ def test_a_failure_on_one_rank_ends_every_rank_and_keeps_the_finished_steps(tmp_
     assert "checkpoint-1" in checkpoints(tmp_path / "out")
 
 
+TORCHRUN_WORKER = """
+import os, sys, time
+from pathlib import Path
+sys.path[:0] = [{here!r}]
+import test_grpo_multistep as t
+calls = []
+def reward(completion_ids, **kw):  # rank 1's grader hangs for 60 s in step 3 of the first run
+    calls.append(1)
+    if sys.argv[1] == "slow" and os.environ["RANK"] == "1" and len(calls) == 3:
+        open({flag!r}, "w").close()
+        time.sleep(60)
+    return t.short_is_good(completion_ids)
+t.make_trainer(Path({tmp!r}), reward, max_steps=4, save_steps=100, per_device_train_batch_size=4,
+               gradient_accumulation_steps=1, output_dir=sys.argv[2]).train(resume_from_checkpoint=sys.argv[3] == "resume")
+"""
+
+
+def test_sigterm_to_torchrun_stops_every_rank_within_seconds_with_a_checkpoint(tmp_path):
+    """torchrun forwards SIGTERM to its workers and SIGKILLs them 30 s later. With rank 1 inside a 60 s reward
+    call of step 3 (rank 0 waiting for it in a collective), both stop within seconds; rank 0 checkpoints step
+    2 from its snapshot (no collective left unmatched), and the checkpoint resumes bit-identically."""
+    worker, flag = tmp_path / "worker.py", tmp_path / "slow"
+    worker.write_text(TORCHRUN_WORKER.format(here=os.path.dirname(os.path.abspath(__file__)), flag=str(flag),
+                                             tmp=str(tmp_path)))
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(worker)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    code, seconds = run_until(None, flag, signal.SIGTERM, command=[*torchrun, "slow", str(tmp_path / "out"), "new"])
+    assert code != 0 and seconds < 20, (code, seconds)
+    assert checkpoints(tmp_path / "out") == ["checkpoint-2"]
+    for args in (["fast", str(tmp_path / "out"), "resume"], ["fast", str(tmp_path / "whole"), "new"]):
+        subprocess.run([*torchrun, *args], env=env, check=True, timeout=300)
+    weights = [gm.AutoModelForCausalLM.from_pretrained(tmp_path / d).state_dict() for d in ("out", "whole")]
+    assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
+    assert metrics_of(tmp_path / "out") == metrics_of(tmp_path / "whole")
+
+
 def test_a_new_run_does_not_overwrite_another_runs_work(tmp_path):
     """A fresh run into a used output_dir stops, unless overwrite_output_dir=True: then nothing of the
     old run is left to be mistaken for the new one's (its checkpoints, its metrics)."""
@@ -1112,28 +1249,63 @@ def test_a_new_run_does_not_overwrite_another_runs_work(tmp_path):
     with pytest.raises(ValueError, match="overwrite_output_dir"):
         make_trainer(tmp_path, max_steps=3, save_steps=1).train()
     assert os.path.isdir(tmp_path / "out" / "checkpoint-3")
-    make_trainer(tmp_path, max_steps=2, save_steps=1, save_total_limit=1, overwrite_output_dir=True).train()
-    assert sorted(n for n in os.listdir(tmp_path / "out") if n.startswith("checkpoint")) == ["checkpoint-2"]
-    assert [m["step"] for m in metrics_of(tmp_path / "out")] == [1, 2]
+    def fails_in_step_2(completion_ids, **kw):
+        fails_in_step_2.calls = getattr(fails_in_step_2, "calls", 0) + 1
+        assert fails_in_step_2.calls < 2, "the grader is down"
+        return short_is_good(completion_ids)
+    with pytest.raises(RuntimeError, match="the grader is down"):
+        make_trainer(tmp_path, fails_in_step_2, max_steps=3, save_steps=1, overwrite_output_dir=True).train()
+    # Nothing of the old run is left (its final model included) beside the new run's checkpoint-1.
+    assert sorted(os.listdir(tmp_path / "out")) == ["checkpoint-1", "metrics.jsonl"]
+    assert [m["step"] for m in metrics_of(tmp_path / "out")] == [1]
 
 
-def test_re_saving_a_step_never_leaves_it_without_a_checkpoint(tmp_path, monkeypatch):
-    """Writing checkpoint-2 again (a resume at max_steps) keeps the old one until the new one is in place."""
+def test_resuming_into_an_output_dir_that_holds_another_run_is_refused(tmp_path):
+    """Resuming run a's checkpoint with output_dir b, where run b lies, would delete b's checkpoints
+    (save_total_limit), overwrite its model and mix the metrics: refused as a fresh run is."""
+    run_to_end(tmp_path, "a")
+    run_to_end(tmp_path, "b")
+    before = sorted(os.listdir(tmp_path / "b"))
+    with pytest.raises(ValueError, match="holds another run.*overwrite_output_dir"):
+        run_to_end(tmp_path, "b", resume=str(tmp_path / "a" / "checkpoint-4"))
+    assert sorted(os.listdir(tmp_path / "b")) == before
+    run_to_end(tmp_path, "b", resume=str(tmp_path / "a" / "checkpoint-4"), overwrite_output_dir=True)
+    assert [r["step"] for r in metrics_of(tmp_path / "b")] == [5, 6] and checkpoints(tmp_path / "b") == ["checkpoint-6"]
+
+
+def test_an_output_dir_that_is_the_models_own_folder_is_refused(tmp_path):
+    """The final model (and checkpoints) would overwrite the base model in place."""
+    tokenizer = make_tokenizer()
+    make_model(tokenizer).save_pretrained(tmp_path / "model")
+    trainer = make_trainer(tmp_path, model=str(tmp_path / "model"), tokenizer=tokenizer,
+                           output_dir=str(tmp_path / "model"))
+    with pytest.raises(ValueError, match="model's own folder"):
+        trainer.train()
+
+
+def test_the_config_is_checked_again_when_train_starts(tmp_path):
+    """Fields changed after the trainer was made: checked like new ones, or named if they cannot apply."""
+    trainer = make_trainer(tmp_path)
+    trainer.args.num_generations = 1
+    with pytest.raises(ValueError, match="num_generations=1"):
+        trainer.train()
+    trainer.args.num_generations, trainer.args.beta = 4, 0.1
+    with pytest.raises(ValueError, match="no reference model"):
+        trainer.train()
+
+
+def test_a_checkpoint_is_written_once_and_never_replaced(tmp_path, monkeypatch):
+    """Resuming checkpoint-2 at max_steps=2, or a failure right after resuming it, never writes it again:
+    replacing a complete checkpoint would put it at risk for nothing."""
     make_trainer(tmp_path, max_steps=2, save_steps=1).train()
-    replace = os.replace
-
-    def dies_before_rename(src, dst, *a, **k):
-        if os.fspath(src).endswith(".tmp"):
-            raise RuntimeError("killed just before the rename")
-        return replace(src, dst, *a, **k)
-    monkeypatch.setattr(os, "replace", dies_before_rename)
-    with pytest.raises(RuntimeError, match="killed just before the rename"):
+    state = tmp_path / "out" / "checkpoint-2" / "trainer_state.pt"
+    before = state.stat().st_mtime_ns
+    saves = []
+    monkeypatch.setattr(torch, "save", lambda *args, **kwargs: saves.append(args[1]))
+    with pytest.warns(UserWarning, match="nothing is left to train"):
         make_trainer(tmp_path, max_steps=2, save_steps=1).train(resume_from_checkpoint=True)
-    monkeypatch.undo()
-    assert checkpoints(tmp_path / "out")[-1] == "checkpoint-2"
-    trainer = make_trainer(tmp_path, max_steps=2, save_steps=1)
-    trainer.train(resume_from_checkpoint=True)
-    assert trainer.step == 2
+    assert saves == [] and state.stat().st_mtime_ns == before
+    assert (tmp_path / "out" / "model.safetensors").exists()  # the final model is written again
 
 
 def test_a_resume_says_what_it_changes(tmp_path):
@@ -1253,17 +1425,26 @@ def test_an_iterable_dataset_is_refused_at_construction(tmp_path):
         make_trainer(tmp_path, dataset=Dataset.from_dict({"prompt": PROMPTS}).to_iterable_dataset())
 
 
-def test_a_collapsed_policy_is_noticed_once(tmp_path):
-    """Every completion rewarded alike, step after step, leaves nothing to learn: one warning, with advice."""
+@pytest.mark.parametrize("varied_first", [True, False])
+def test_rewards_that_never_differ_within_a_group_are_noticed_once(tmp_path, varied_first):
+    """Every completion rewarded alike for 3 generation batches, from the start (a constant reward, a bug)
+    or after learning (a collapsed policy), leaves nothing to learn: one warning, with advice."""
     calls = []
-    def varied_then_constant(completions, **kw):
+    def constant(completions, **kw):
         calls.append(1)
-        return [float(i % 2) if len(calls) == 1 else 1.0 for i in range(len(completions))]
-    with pytest.warns(UserWarning, match="collapse") as record:
-        make_trainer(tmp_path, reward_funcs=varied_then_constant, max_steps=5).train()
-    messages = [str(w.message) for w in record if "collapse" in str(w.message)]
-    assert len(messages) == 1, messages
-    assert "learning rate" in messages[0] and "temperature" in messages[0]
+        return [float(i % 2) if len(calls) == 1 and varied_first else 1.0 for i in range(len(completions))]
+    with pytest.warns(UserWarning, match="rewards were equal") as record:
+        make_trainer(tmp_path, reward_funcs=constant, max_steps=6).train()
+    messages = [str(w.message) for w in record if "rewards were equal" in str(w.message)]
+    assert len(messages) == 1 and f"step {4 if varied_first else 3}" in messages[0], messages
+    assert all(word in messages[0] for word in ("does not vary", "temperature", "collapsed", "learning rate"))
+
+
+def test_reward_functions_with_the_same_name_keep_a_metric_each(tmp_path):
+    """Two lambdas (or two closures of one factory) are both named "<lambda>": numbered, not merged."""
+    ones, twos = (lambda completions, **kw: [1.0] * len(completions)), (lambda completions, **kw: [2.0] * len(completions))
+    _, metrics = make_trainer(tmp_path, reward_funcs=[ones, twos]).generate_and_score(0)
+    assert (metrics["rewards/<lambda>_1"], metrics["rewards/<lambda>_2"], metrics["reward"]) == (1.0, 2.0, 3.0)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -1271,11 +1452,11 @@ def test_a_collapsed_policy_is_noticed_once(tmp_path):
 # ---------------------------------------------------------------------------------------------------
 def test_readme_term_table_links_the_lines_that_hold_the_quoted_code_in_part_one():
     """Each row of the README's term -> code table quotes a line of grpo_multistep.py and links to it. The
-    quote must occur once in the file, at the linked line, in Part I (the algorithm: the first 300 lines)."""
+    quote must occur once in the file, at the linked line, in Part I (the algorithm: the first 330 lines)."""
     here = os.path.dirname(os.path.abspath(__file__))
     source = open(os.path.join(here, "grpo_multistep.py")).read().splitlines()
     part_two = next(i for i, text in enumerate(source, 1) if "PART II" in text)
-    assert part_two <= 301, f"Part I runs to line {part_two - 1}"
+    assert part_two <= 331, f"Part I runs to line {part_two - 1}"
     rows = re.findall(r"\| `([^`]+)` \| \[grpo_multistep\.py#L(\d+)\]", open(os.path.join(here, "README.md")).read())
     assert len(rows) >= 10
     for code, line in rows:

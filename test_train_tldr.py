@@ -135,7 +135,7 @@ def test_seeded_sweep_logs_every_point_on_three_clocks_and_predicts_the_step_cos
     assert columns["μ"] == ["1", "2"] and columns["seeds"] == ["2", "2"]
     measured, predicted = columns["T(μ)/T(1) measured"], columns["T(μ)/T(1) predicted"]
     assert measured[0] == predicted[0] == "1" and float(measured[1]) > 0 and 0.5 < float(predicted[1]) < 2
-    assert "±" in columns["final reward (mean of last 3 logged), mean ± sd over seeds"][0]
+    assert "±" in columns["final reward (mean of last 3 logged)"][0]
     assert columns["clip fraction, reuse steps"][0] == "—" and float(columns["clip fraction, reuse steps"][1]) >= 0
 
 
@@ -187,6 +187,72 @@ def test_ctrl_c_keeps_what_was_logged_and_exits_130(tiny, tmp_path, monkeypatch)
 def test_resume_from_a_folder_that_is_no_checkpoint_is_an_error(tiny, tmp_path):
     with pytest.raises(SystemExit, match="is not a checkpoint"):
         train_tldr.main(args(tiny, tmp_path / "run", "--resume", str(tmp_path)))
+    with pytest.raises(SystemExit, match="a sweep resumes with --resume alone"):
+        train_tldr.main(args(tiny, tmp_path / "run", "--sweep", "1", "2", "--resume", str(tmp_path)))
+
+
+def interrupted_in_run(monkeypatch, mu, generation_batch):
+    """Ctrl-C in the reward call of μ's `generation_batch`-th generation batch (that step is lost)."""
+    length_reward = train_tldr.length_reward
+    def reward_of(target_chars):
+        reward, calls = length_reward(target_chars), []
+        def reward_len(completions, **kwargs):
+            calls.append(1)
+            if len(calls) == generation_batch and train_tldr.Trainer.current_mu == mu:
+                raise KeyboardInterrupt
+            return reward(completions)
+        return reward_len
+    monkeypatch.setattr(train_tldr, "length_reward", reward_of)
+    train = train_tldr.train
+    def tagged(model, dataset, run, opts, sweep):
+        train_tldr.Trainer.current_mu = run["mu"]
+        return train(model, dataset, run, opts, sweep)
+    monkeypatch.setattr(train_tldr, "train", tagged)
+
+
+def without_clocks(points):
+    return [{k: v for k, v in p.items() if not k.startswith("time_") and k not in ("elapsed", "step_seconds")}
+            for p in points]
+
+
+def test_resume_finishes_a_sweep_cut_short(tiny, tmp_path, monkeypatch):
+    """Ctrl-C in μ = 2's third generation batch (step 5): μ = 1 is finished, μ = 2 has checkpoint-4, μ = 4
+    never started. --resume keeps μ = 1, continues μ = 2 from step 4, starts μ = 4: every step once in
+    sweep.jsonl, points (clocks aside) as those of a sweep never cut, its clock going on across the resume."""
+    sweep = ["--sweep", "1", "2", "4", "--max_steps", "8", "--save_steps", "2"]
+    assert train_tldr.main(args(tiny, tmp_path / "whole", *sweep)) == 0
+    interrupted_in_run(monkeypatch, mu=2, generation_batch=3)
+    assert train_tldr.main(args(tiny, tmp_path / "cut", *sweep)) == 130
+    cut = sweep_points(tmp_path / "cut" / "μ=1,2,4")
+    assert [(p["mu"], p["step"]) for p in cut] == [(1, s) for s in range(1, 9)] + [(2, s) for s in range(1, 5)]
+    monkeypatch.undo()
+    assert train_tldr.main(args(tiny, tmp_path / "cut", *sweep, "--resume")) == 0
+    points = sweep_points(tmp_path / "cut" / "μ=1,2,4")
+    assert sorted((p["mu"], p["step"]) for p in points) == [(mu, s) for mu in (1, 2, 4) for s in range(1, 9)]
+    assert points[:8] == cut[:8]  # μ = 1, finished, stays as it was
+    key = lambda p: (p["mu"], p["step"])
+    assert without_clocks(sorted(points, key=key)) == without_clocks(sorted(sweep_points(tmp_path / "whole" / "μ=1,2,4"), key=key))
+    mu2 = [p["elapsed"] for p in sorted(points, key=key) if p["mu"] == 2]
+    assert mu2 == sorted(mu2)
+    assert table_columns(tmp_path / "cut" / "μ=1,2,4" / "rewards.md")["μ"] == ["1", "2", "4"]
+    assert train_tldr.main(args(tiny, tmp_path / "cut", *sweep, "--resume")) == 0  # all finished: a report
+    assert sweep_points(tmp_path / "cut" / "μ=1,2,4") == points
+
+
+def test_a_grid_of_mu_and_learning_rates_reports_every_cell(tiny, tmp_path):
+    """--lrs: every μ at every learning rate (and seed), each run in a folder of its own, lr on every point."""
+    argv = args(tiny, tmp_path / "grid", "--sweep", "1", "2", "--lrs", "1e-3", "4e-3", "--seeds", "2", "--max_steps", "3")
+    assert train_tldr.main(argv) == 0
+    folder = tmp_path / "grid" / "μ=1,2-lrs=0.001,0.004-seeds=42-43"
+    points = sweep_points(folder)
+    assert sorted({(p["mu"], p["lr"], p["seed"]) for p in points}) == [
+        (mu, lr, seed) for mu in (1, 2) for lr in (1e-3, 4e-3) for seed in (42, 43)]
+    assert all(len(metrics(tmp_path / "grid" / f"μ={mu}-lr={lr}-seed={seed}")) == 3
+               for mu in (1, 2) for lr in ("0.001", "0.004") for seed in (42, 43))
+    columns = table_columns(folder / "rewards.md")
+    assert list(zip(columns["learning rate"], columns["μ"])) == [("0.001", "1"), ("0.001", "2"), ("0.004", "1"), ("0.004", "2")]
+    assert columns["reuse step worth w"][0] == "—" and columns["reuse step worth w"][1] != "—"
+    assert is_png(folder / "rewards.png")
 
 
 def test_preset_values_are_defaults_that_flags_override():
@@ -202,11 +268,22 @@ def test_preset_values_are_defaults_that_flags_override():
     (["--sweep", "0"], "--sweep values must be >= 1"),
     (["--seeds", "0"], "--seeds must be >= 1"),
     (["--sweep", "1", "--benchmark"], "not allowed with argument"),
+    (["--sweep", "1", "1"], "--sweep values must differ"),  # one run counted twice as two
+    (["--lrs", "1e-5", "1e-5"], "--lrs values must differ"),
+    (["--lrs", "0"], "--lrs values must be > 0"),
+    (["--max_prompt_length", "none?"], "invalid int value"),
 ])
 def test_bad_flags_are_usage_errors(argv, message, capsys):
     with pytest.raises(SystemExit) as e:
         train_tldr.parse_args(argv)
     assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_the_fields_that_allow_none_take_it_on_the_command_line():
+    config, _ = train_tldr.parse_args(["--max_prompt_length", "None", "--epsilon_high", "None", "--save_total_limit",
+                                       "None", "--reward_weights", "None"])
+    assert (config.max_prompt_length, config.epsilon_high, config.save_total_limit, config.reward_weights) == (None,) * 4
+    assert train_tldr.parse_args(["--max_prompt_length", "7", "--reward_weights", "1", "2"])[0].reward_weights == [1, 2]
 
 
 def test_length_reward_reads_text_and_conversations():
@@ -232,6 +309,7 @@ def test_missing_dataset_file(tiny, tmp_path):
 @pytest.mark.parametrize("name, content, expected", [
     ("text.jsonl", '{"text": "hello"}\n', ["text.jsonl", "no 'prompt' column (its columns: text)"]),
     ("prompts.csv", "prompt\nhello\n", ["prompts.csv", "not (or holds no) .json, .jsonl or .parquet file"]),
+    ("empty.jsonl", "", ["empty.jsonl", "is empty"]),
 ])
 def test_unusable_dataset_file(tiny, tmp_path, name, content, expected):
     (tmp_path / name).write_text(content)

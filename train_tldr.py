@@ -34,16 +34,20 @@ seconds), rewards.png and rewards.md; each run's own folder keeps its metrics.js
 """
 
 import argparse
+import bisect
+import contextlib
 import dataclasses
 import importlib.util
 import json
 import math
 import os
+import re
 import resource
 import shutil
 import statistics
 import subprocess
 import sys
+import typing
 
 import matplotlib
 matplotlib.use("Agg")  # files only: no display needed
@@ -166,9 +170,20 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefau
     """--help shows the docstring as written, and each flag's default: the preset's value."""
 
 
+def none_or(kind):  # a flag's type that also takes "None"
+    def parse(text):
+        return None if text == "None" else kind(text)
+    parse.__name__ = kind.__name__  # argparse names the type in its errors
+    return parse
+
+
 def parse_args(argv):
     parser = HfArgumentParser(GRPOConfig, description=__doc__, formatter_class=HelpFormatter,
                               add_help=False, allow_abbrev=False)  # no abbreviations: the benchmark edits argv
+    fields = typing.get_type_hints(GRPOConfig)  # (HfArgumentParser rewrites the dataclass fields' types)
+    for action in parser._actions:  # "None" where the field allows it (HfArgumentParser types it int or float)
+        if type(None) in typing.get_args(fields.get(action.dest)):
+            action.type = none_or(action.type)
     parser.add_argument("--preset", choices=PRESETS, help="pr2899 or cpu; if not given: pr2899 where CUDA is "
                                                          "available (except for --benchmark), cpu elsewhere")
     parser.add_argument("--model", help=f"hub id, local folder, or {OFFLINE_MODEL!r} (SmolLM2-135M-Instruct, offline)")
@@ -182,6 +197,8 @@ def parse_args(argv):
                         help="continue from a checkpoint folder, or without a value from the newest in output_dir")
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--sweep", type=int, nargs="+", metavar="MU", help="one run per μ (and seed); PNG + table")
+    parser.add_argument("--lrs", type=float, nargs="+", metavar="LR", help="one run per learning rate too, each μ "
+                        "and seed at each: the μ × learning-rate grid (constant schedule: --lr_scheduler_type constant)")
     mode.add_argument("--benchmark", action="store_true", help="seconds per phase and peak memory per optimizer step "
                       f"for μ in {BENCHMARK_MUS} and β in {BENCHMARK_BETAS}; with --bf16, bf16 autocast too")
     parser.add_argument("--seeds", type=int, default=1, metavar="N", help="runs per μ, with the seeds seed, seed+1, "
@@ -193,12 +210,19 @@ def parse_args(argv):
     preset = first.preset or ("pr2899" if torch.cuda.is_available() and not first.benchmark else "cpu")
     parser.set_defaults(**PRESETS[preset], preset=preset)
     parser.add_argument("-h", "--help", action="help", help="show this help (defaults: the preset's) and exit")
+    namespace = vars(parser.parse_args(argv))
+    values = {k: v for k, v in namespace.items() if k in fields}
+    values["reward_weights"] = None if values["reward_weights"] == [None] else values["reward_weights"]
     try:
-        config, opts = parser.parse_args_into_dataclasses(argv)  # GRPOConfig checks its own values
+        config = GRPOConfig(**values)  # GRPOConfig checks its own values
     except ValueError as e:
         parser.error(str(e))
+    opts = argparse.Namespace(**{k: v for k, v in namespace.items() if k not in fields})
     opts.preset_chosen = first.preset is not None
     checks = [("--sweep", not opts.sweep or min(opts.sweep) >= 1, "values must be >= 1"),
+              ("--sweep", not opts.sweep or len(set(opts.sweep)) == len(opts.sweep), "values must differ"),
+              ("--lrs", not opts.lrs or min(opts.lrs) > 0, "values must be > 0"),
+              ("--lrs", not opts.lrs or len(set(opts.lrs)) == len(opts.lrs), "values must differ"),
               ("--seeds", opts.seeds >= 1, "must be >= 1"),
               ("--time-budget", opts.time_budget is None or opts.time_budget > 0, "must be > 0"),
               ("--benchmark-steps", opts.benchmark_steps >= 1, "must be >= 1"),
@@ -304,6 +328,9 @@ def load_prompts(name):
             fail(f"dataset file {name!r} does not exist")
         if not files or not all(f.endswith(DATA_FILES) for f in files):
             fail(f"dataset {name!r} is not (or holds no) .json, .jsonl or .parquet file")
+        for f in files:  # the readers' own error for an empty file is a bare StopIteration
+            if os.path.getsize(f) == 0:
+                fail(f"dataset file {f!r} is empty")
         formats = {"parquet" if f.endswith(".parquet") else "json" for f in files}
         if len(formats) > 1:
             fail(f"dataset folder {name!r} mixes JSON and Parquet files; keep one format")
@@ -335,10 +362,14 @@ class Trainer(GRPOTrainer):
         metrics["peak_rss_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
         if torch.cuda.is_available():
             metrics["peak_cuda_gib"] = torch.cuda.max_memory_allocated() / 2**30
-        records, points, args = self.run["records"], self.run["points"], self.args
-        records.append(metrics)
+        points, args = self.run["points"], self.args
         batch = args.per_device_train_batch_size * args.gradient_accumulation_steps * self.world_size
-        points.append(sweep_point(metrics, points[-1] if points else None, args.num_iterations, args.seed, batch))
+        point = sweep_point(metrics, points[-1] if points else None, args, batch)
+        reached = first_reaching(points + [point], self.target_reward)
+        spent = self.time_budget is not None and metrics["elapsed"] >= self.time_budget
+        if reached or spent or point["step"] >= args.max_steps:  # the run ends here: --resume skips it
+            point["end"] = "target reward" if reached else "time budget" if spent else "max_steps"
+        points.append(point)
         if self.rank == 0:  # under torchrun one set of files and lines
             with open(os.path.join(args.output_dir, "metrics.jsonl"), "a") as f:
                 f.write(json.dumps(metrics) + "\n")
@@ -348,18 +379,16 @@ class Trainer(GRPOTrainer):
             for prompt, completion, reward in self.samples[:4] if args.log_completions and "reward" in metrics else []:
                 prompt = prompt if isinstance(prompt, str) else prompt[-1]["content"]  # a chat's last turn
                 tqdm.write(f"  [reward {reward:+.3f}] {prompt[-60:]!r} -> {completion[:100]!r}")
-        now = recent_reward(records)
+        now = recent_reward(points)
         self.bar.set_postfix_str(f"reward {now:.4g}, {metrics['elapsed'] / metrics['step']:.1f} s/step"
                                  if now is not None else "")
         self.bar.update(metrics["step"] - self.bar.n)
-        reached = first_reaching(records, self.target_reward)
         if reached:
             tqdm.write(f"target reward {self.target_reward:g} reached at step {reached['step']}, "
                        f"{reached['elapsed']:.3g} s")
-            self.should_stop = True
-        if self.time_budget is not None and metrics["elapsed"] >= self.time_budget:
+        elif spent:
             tqdm.write(f"time budget of {self.time_budget:g} s spent at step {metrics['step']}")
-            self.should_stop = True
+        self.should_stop |= bool(reached or spent)
 
 
 def step_line(point, metrics, max_steps):
@@ -369,13 +398,13 @@ def step_line(point, metrics, max_steps):
     return f"step {point['step']}/{max_steps}{reward}  clip {clip:.3g}  {point['step_seconds']:.3g} s/step"
 
 
-def sweep_point(metrics, previous, mu, seed, batch):
+def sweep_point(metrics, previous, args, batch):
     """sweep.jsonl's line for one logged record (previous: the run's point before it, or None).
     generated_completions: a generation batch of `batch` completions at steps 1, 1+μ, 1+2μ, ...;
     reward: the newest generation batch's, carried over the reuse steps that log none; step_seconds:
     elapsed since the previous point per optimizer step since then."""
-    before = previous or {"step": 0, "elapsed": 0.0}
-    point = {"mu": mu, "seed": seed, "step": metrics["step"],
+    before, mu = previous or {"step": 0, "elapsed": 0.0}, args.num_iterations
+    point = {"mu": mu, "lr": args.learning_rate, "seed": args.seed, "step": metrics["step"],
              "generated_completions": math.ceil(metrics["step"] / mu) * batch, "elapsed": metrics["elapsed"],
              "step_seconds": (metrics["elapsed"] - before["elapsed"]) / (metrics["step"] - before["step"]),
              "generated": "reward" in metrics}  # this point's steps include a generation batch
@@ -388,10 +417,21 @@ def sweep_point(metrics, previous, mu, seed, batch):
 class SweepFile:
     """sweep.jsonl, appended point by point so that an interrupted sweep keeps what it logged; started
     afresh at the first point (not before: a run that refuses to start leaves an earlier file as it was),
-    unless resuming."""
+    or, on --resume, rewritten first with what the resumed sweep keeps."""
 
-    def __init__(self, path, fresh):
-        self.path, self.fresh = path, fresh
+    def __init__(self, path):
+        self.path, self.fresh = path, True
+
+    def read(self):
+        with open(self.path) if os.path.exists(self.path) else contextlib.nullcontext([]) as f:
+            return [json.loads(line) for line in f]
+
+    def rewrite(self, points):
+        os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
+        with open(self.path + ".tmp", "w") as f:
+            f.writelines(json.dumps(p) + "\n" for p in points)
+        os.replace(self.path + ".tmp", self.path)  # atomic: a resume cut short keeps the old file whole
+        self.fresh = False
 
     def append(self, point):
         os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
@@ -400,11 +440,25 @@ class SweepFile:
         self.fresh = False
 
 
-def train(model, dataset, config, opts, run, sweep):
-    """One GRPO run; its logged metrics (run["records"]) and sweep points (run["points"]) are appended as
-    they come, so that an interrupted run still leaves what it logged."""
+def left_to_do(run, points, resume):
+    """--resume: what one run of a sweep has left. A run whose last point ends it is finished; one with a
+    checkpoint continues from it, keeping its points up to that step (it logs the later ones again);
+    one with none starts. Returns the points it keeps and its resume_from_checkpoint (False: finished)."""
+    if points and points[-1].get("end"):
+        return points, False
+    found = gm.list_checkpoints(run.output_dir) if resume is True else [resume]
+    if not found:
+        return [], None  # never checkpointed: it starts afresh
+    step = re.search(r"checkpoint-(\d+)$", os.path.normpath(found[-1]))
+    return [p for p in points if not step or p["step"] <= int(step[1])], found[-1]
+
+
+def train(model, dataset, run, opts, sweep):
+    """One GRPO run; its sweep points (run["points"]) are appended as they come, so that an interrupted
+    run still leaves what it logged."""
+    config = run["config"]
     earlier = gm.list_checkpoints(config.output_dir) or os.path.exists(os.path.join(config.output_dir, "metrics.jsonl"))
-    if earlier and not opts.resume and config.overwrite_output_dir and RANK0:  # the presets' default
+    if earlier and not run["resume"] and config.overwrite_output_dir and RANK0:  # the presets' default
         print(f"starting afresh in {config.output_dir}: its earlier run is replaced (--resume continues it instead; "
               "--overwrite_output_dir False refuses)")
     try:
@@ -416,27 +470,38 @@ def train(model, dataset, config, opts, run, sweep):
     desc = f"μ={config.num_iterations}" + (f" seed={config.seed}" if opts.seeds > 1 else "")
     trainer.bar = tqdm(total=config.max_steps, unit="step", desc=desc, disable=not RANK0)
     try:
-        trainer.train(resume_from_checkpoint=opts.resume)
+        trainer.train(resume_from_checkpoint=run["resume"])
     except ValueError as e:  # a --resume folder that is no checkpoint, or one of another batch shape
         fail(str(e))
     finally:
         trainer.bar.close()
 
 
-def recent_reward(records):
-    rewards = [r["reward"] for r in records if "reward" in r][-RECENT:]
+def generated(points):  # the points whose steps generated: their reward was measured on a fresh batch
+    return [p for p in points if p["generated"]]
+
+
+def recent_reward(points):
+    rewards = [p["reward"] for p in generated(points)][-RECENT:]
     return sum(rewards) / len(rewards) if rewards else None
 
 
-def first_reaching(records, target):
-    """The first logged record at which the mean of the last RECENT logged rewards is >= target."""
+def first_reaching(points, target):
+    """The first generation point at which the mean of the last RECENT generation rewards is >= target."""
     if target is None:
         return None
-    logged = [r for r in records if "reward" in r]
-    for i in range(RECENT, len(logged) + 1):
-        if recent_reward(logged[:i]) >= target:
-            return logged[i - 1]
+    fresh = generated(points)
+    for i in range(RECENT, len(fresh) + 1):
+        if recent_reward(fresh[:i]) >= target:
+            return fresh[i - 1]
     return None
+
+
+def newest_reward(run, clock, x):
+    """A run's reward at x on a clock ("step", "generated_completions", "elapsed"): that of its newest
+    generation batch by then (a batch's reward is known once it is generated; none is interpolated)."""
+    fresh = generated(run["points"])
+    return fresh[max(0, bisect.bisect_right([p[clock] for p in fresh], x) - 1)]["reward"]
 
 
 def run_dir(template, label, several):
@@ -465,6 +530,7 @@ def markdown_table(rows):
 
 CLOCKS = (("step", "optimizer steps"), ("generated_completions", "completions generated"),
           ("elapsed", "wall-clock seconds"))
+CLOCK_UNITS = {"generated_completions": "completions", "elapsed": "s"}
 
 
 def phase_seconds(points, *phases):
@@ -498,46 +564,71 @@ def mean_sd(values):
     return f"{statistics.mean(values):.3g} ± {statistics.stdev(values):.2g}"
 
 
-def sweep_row(mu, runs, target, base, shares, several_seeds):
-    """One row of the sweep table: μ's runs, one per seed. base: the μ = 1 runs' seconds per step and
-    shares their (g, l), both None when μ = 1 is not in the sweep."""
+def sweep_row(mu, lr, runs, base, budget, target):
+    """One row of the sweep table: the runs of one (μ, learning rate), one per seed. base: the μ = 1 runs at
+    the same learning rate, or None; budget: the clocks' common ends, where every run is compared."""
     steps = [r["points"][-1]["step"] for r in runs]
-    finals = [f for f in (recent_reward(r["records"]) for r in runs) if f is not None]
-    reached = [x["elapsed"] for x in (first_reaching(r["records"], target) for r in runs) if x]
-    per_step = statistics.mean(seconds_per_step(r) for r in runs)
+    per_step = statistics.mean(map(seconds_per_step, runs))
     clips = [p["clip_ratio_low"] + p["clip_ratio_high"] for r in runs for p in r["points"] if not p["generated"]]
-    n, final = f"/{len(runs)} seeds", f"final reward (mean of last {RECENT} logged)"
-    return {
-        "μ": mu, "seeds": len(runs), "steps": spread(steps),
-        "generation batches": spread([math.ceil(s / mu) for s in steps]),
-        final + (", mean ± sd over seeds" if several_seeds else ""): mean_sd(finals),
-        "time to target (median s)": "-" if target is None else
-            f"{statistics.median(reached):.3g} s, {len(reached)}{n}" if reached else f"not reached, 0{n}",
-        "s/step": per_step,
-        "clip fraction, reuse steps": statistics.mean(clips) if mu > 1 and clips else "—",
-        "T(μ)/T(1) measured": per_step / base if base else "—",
-        "T(μ)/T(1) predicted": "—" if shares is None else 1.0 if mu == 1 else (1 - shares[0]) + sum(shares) / mu,
-    }
+    shares = cost_shares(base) if base else None
+    worth = reuse_worth(runs, base) if base and mu > 1 else None
+    row = {"μ": mu, "learning rate": lr, "seeds": len(runs), "steps": spread(steps),
+           "generation batches": spread([math.ceil(s / mu) for s in steps]),
+           f"final reward (mean of last {RECENT} logged)": mean_sd([recent_reward(r["points"]) for r in runs])}
+    for clock, x in budget.items():
+        row[f"reward at {x:.4g} {CLOCK_UNITS[clock]}"] = mean_sd([newest_reward(r, clock, x) for r in runs])
+    if target is not None:
+        reached = [x["elapsed"] for x in (first_reaching(r["points"], target) for r in runs) if x]
+        row["time to target (median s)"] = (f"{statistics.median(reached):.3g} s, {len(reached)}/{len(runs)} seeds"
+                                            if reached else f"not reached, 0/{len(runs)} seeds")
+    return {**row, "s/step": per_step, "clip fraction, reuse steps": statistics.mean(clips) if clips else "—",
+            "T(μ)/T(1) measured": per_step / statistics.mean(map(seconds_per_step, base)) if base else "—",
+            "T(μ)/T(1) predicted": "—" if shares is None else 1.0 if mu == 1 else (1 - shares[0]) + sum(shares) / mu,
+            "reuse step worth w": "—" if worth is None else worth[0],
+            "μ wins per second where g >": "—" if worth is None else worth[1]}
 
 
-def table_note(shares):
+def reuse_worth(runs, base):
+    """w: what a reuse step is worth in fresh steps, and g*: the generation share above which μ would win
+    per second, from the mean reward over seeds against optimizer steps. μ's last generation batch in the
+    steps that all these runs reached measures the policy after U updates, F = ⌈U/μ⌉ of them on fresh
+    batches; μ = 1's mean curve (made non-decreasing) reaches that reward after u₁ updates: F + w (U - F)
+    = u₁. Per second, μ's U steps cost U·T(μ) = (U/μ)·T(1)·(μ(1 - g) + g + l): μ wins where F + w (U - F) >
+    that many μ = 1 steps, g > 1 - w + l/(μ - 1). "≥ w": μ beat every reward μ = 1 reached."""
+    mu, last = runs[0]["mu"], min(r["points"][-1]["step"] for r in runs + base)
+    updates = max(k for k in range(1, last + 1) if (k - 1) % mu == 0) - 1
+    fresh = math.ceil(updates / mu)
+    if updates == fresh:
+        return None
+    reached = statistics.mean(newest_reward(r, "step", updates + 1) for r in runs)
+    curve = np.maximum.accumulate([statistics.mean(newest_reward(r, "step", u + 1) for r in base)
+                                   for u in range(last)])  # μ = 1's reward after u updates, u = 0 .. last - 1
+    w = (float(np.interp(reached, curve, np.arange(last))) - fresh) / (updates - fresh)
+    above = "≥ " if reached > curve[-1] else ""
+    g_star = 1 - w + cost_shares(base)[1] / (mu - 1)
+    return f"{above}{w:.2f}", ("≤ " if above else "") + f"{g_star:.2f}"
+
+
+def table_note(budget, target):
     notes = [f"final reward: the mean of a run's last {RECENT} logged rewards (the reward now, as --target-reward "
-             "reads it); time to target: the median over the seeds that reached it, and how many did.",
-             "s/step: a run's elapsed seconds ÷ its optimizer steps (the first step's warm-up included), mean over "
-             "seeds; T(μ)/T(1) measured: μ's s/step ÷ μ = 1's.",
-             "clip fraction: clip_ratio_low + clip_ratio_high on the logged steps that did not generate (reuse "
-             "steps), mean over them and the seeds; μ = 1 never clips (its π_old is π_θ itself)."]
-    if shares is None:
-        notes.append("T(μ)/T(1): μ = 1 is not in the sweep, so there is nothing to measure against or predict from.")
-    else:
-        notes.append(
-            "T(μ)/T(1) predicted: (1 − g) + (g + l)/μ for μ > 1 (1 for μ = 1), from the μ = 1 runs: "
-            f"g = {shares[0]:.3g}, the share of their seconds spent generating (time_generate, plus time_logps: "
-            "with β > 0 the reference pass, which μ > 1 also makes once per generation batch), and "
-            f"l = {shares[1]:.3g}, the share of a π_old "
-            "log-prob pass. A μ = 1 run makes no π_old pass (its training forward's own log-probs serve), so l is "
-            "its training forward over the same batch (time_forward), the nearest measurement; that forward keeps "
-            "activations for the backward, so l may overstate a π_old pass, which runs without gradients.")
+             "reads it); mean ± sd: the mean over seeds, ± their standard deviation.",
+             f"reward at {budget['generated_completions']:g} completions and at {budget['elapsed']:.4g} s: the "
+             "reward of each run's newest generation batch by then (the most any run of every cell reached), "
+             "mean ± sd over seeds: the same budget of samples and of time for every μ."]
+    if target is not None:
+        notes.append("time to target: the median over the seeds that reached it, and how many did.")
+    notes += ["s/step: a run's elapsed seconds ÷ its optimizer steps (the first step's warm-up included), mean over "
+              "seeds; T(μ)/T(1) measured: μ's s/step ÷ μ = 1's at the same learning rate.",
+              "clip fraction: clip_ratio_low + clip_ratio_high on the logged steps that did not generate (reuse "
+              "steps), mean over them and the seeds; μ = 1 never clips (its π_old is π_θ itself).",
+              "T(μ)/T(1) predicted: (1 − g) + (g + l)/μ, from the μ = 1 runs at the same learning rate: g, the share "
+              "of their seconds spent generating (time_generate, plus time_logps: with β > 0 the reference pass, "
+              "which μ > 1 also makes once per generation batch), and l, the share of a π_old log-prob pass, for "
+              "which their training forward (time_forward) stands in (it keeps activations for the backward, so "
+              "l may overstate a π_old pass, which runs without gradients).",
+              "reuse step worth w and g: see reuse_worth in train_tldr.py. w = 1: a reuse step moves the reward "
+              "as much as a step on fresh samples; w = 0: not at all. μ pays per second where generation takes "
+              "more than that share g of a μ = 1 step."]
     return "\n".join(f"- {note}" for note in notes)
 
 
@@ -557,31 +648,48 @@ def mean_band(series):
     return grid, np.nanmean(values, 0), np.nanmin(values, 0), np.nanmax(values, 0)
 
 
-def draw(by_mu, path, title, target):
-    """rewards.png: the reward against optimizer steps, completions generated and seconds; per μ one colour,
-    the mean over seeds as a line with its min-max band. The points: the steps that generated (the reward
-    is measured on a generation batch)."""
-    fig, axes = plt.subplots(1, len(CLOCKS), figsize=(16, 4.5), sharey=True)
-    for i, (mu, runs) in enumerate(by_mu.items()):
-        fresh = [[p for p in r["points"] if p["generated"]] for r in runs]
-        fresh = [points for points in fresh if points]
-        label = f"μ={mu}" + (f" ({len(fresh)} seeds: mean, min-max)" if len(fresh) > 1 else "")
-        for ax, (key, _) in zip(axes, CLOCKS):
-            if not fresh:
-                continue
-            series = [(np.array([p[key] for p in points], float), np.array([p["reward"] for p in points], float))
-                      for points in fresh]
-            grid, mean, low, high = mean_band(series)
-            ax.plot(grid, mean, color=f"C{i % 10}", marker="." if len(series) == 1 else None, label=label)
-            if len(series) > 1:
-                ax.fill_between(grid, low, high, color=f"C{i % 10}", alpha=0.2, linewidth=0)
-    for ax, (_, xlabel) in zip(axes, CLOCKS):
+def draw_curves(ax, runs, key, color, label):
+    """The reward of runs (one per seed) against a clock: their mean as a line, their min-max as a band.
+    The points: the steps that generated (the reward is measured on a generation batch)."""
+    series = [(np.array([p[key] for p in generated(r["points"])], float),
+               np.array([p["reward"] for p in generated(r["points"])], float)) for r in runs]
+    grid, mean, low, high = mean_band(series)
+    ax.plot(grid, mean, color=color, marker="." if len(series) == 1 else None,
+            label=label + (f" ({len(series)} seeds: mean, min-max)" if len(series) > 1 else ""))
+    if len(series) > 1:
+        ax.fill_between(grid, low, high, color=color, alpha=0.2, linewidth=0)
+
+
+def draw(groups, budget, path, title, target):
+    """rewards.png. One learning rate: the reward against optimizer steps, completions generated and seconds,
+    one colour per μ. Several (the μ × learning-rate grid): the reward at the seconds budget against the
+    learning rate, one line per μ (mean over seeds, min-max band), then the reward against seconds and
+    against completions at each μ's best learning rate."""
+    mus, lrs = sorted({mu for mu, _ in groups}), sorted({lr for _, lr in groups})
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
+    clocks = CLOCKS if len(lrs) == 1 else [("lr", "learning rate"), *CLOCKS[:0:-1]]
+    for i, mu in enumerate(mus):
+        color, cells = f"C{i % 10}", sorted(lr for m, lr in groups if m == mu)
+        at_budget = [[newest_reward(r, "elapsed", budget["elapsed"]) for r in groups[mu, lr]] for lr in cells]
+        best = cells[int(np.argmax([statistics.mean(v) for v in at_budget]))]
+        label = f"μ={mu}" + (f", learning rate {best:g}" if len(lrs) > 1 else "")
+        if len(lrs) > 1:
+            axes[0].plot(cells, [statistics.mean(v) for v in at_budget], color=color, marker="o", label=f"μ={mu}")
+            axes[0].fill_between(cells, [min(v) for v in at_budget], [max(v) for v in at_budget], color=color,
+                                 alpha=0.2, linewidth=0)
+        for ax, (key, _) in zip(axes[len(lrs) > 1:], clocks[len(lrs) > 1:]):
+            draw_curves(ax, groups[mu, best], key, color, label)
+    for ax, (key, xlabel) in zip(axes, clocks):
         if target is not None:
             ax.axhline(target, color="gray", linestyle="--", linewidth=1)
         ax.set_xlabel(xlabel)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    axes[0].set_ylabel("mean reward of a generation batch")
+    if len(lrs) > 1:
+        axes[0].set_xscale("log")
+        axes[0].set_ylabel(f"reward at {budget['elapsed']:.4g} s (newest batch)")
+    else:
+        axes[0].set_ylabel("mean reward of a generation batch")
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -591,26 +699,27 @@ def draw(by_mu, path, title, target):
 def report(runs, folder, opts, config):
     """Print the table of the runs and write it into `folder` as markdown, with the reward charts as a
     PNG: into the run's output_dir, or for a sweep a folder of its own (beside its sweep.jsonl)."""
-    by_mu = {}
+    groups = {}  # (μ, learning rate) -> its runs, one per seed
     for run in runs:
-        if run["points"]:
-            by_mu.setdefault(run["mu"], []).append(run)
-    if not by_mu:
+        if generated(run["points"]):
+            groups.setdefault((run["mu"], run["lr"]), []).append(run)
+    if not groups:
         print("nothing was logged, so there is nothing to report")
         return
-    seeds = sorted({run["seed"] for group in by_mu.values() for run in group})
+    done = [r for cell in groups.values() for r in cell]
+    budget = {clock: min(generated(r["points"])[-1][clock] if clock == "generated_completions"
+                         else r["points"][-1][clock] for r in done) for clock in ("generated_completions", "elapsed")}
+    seeds = sorted({r["seed"] for r in done})
     title = f"{opts.model} on {opts.dataset}, reward -|{opts.target_chars} - len(completion)|"
     if len(seeds) > 1:
         title += f", seeds {', '.join(map(str, seeds))}"
     if opts.target_reward is not None:
         title += f", target reward {opts.target_reward:g}"
-    base = by_mu.get(1)
-    t1, shares = (statistics.mean(map(seconds_per_step, base)), cost_shares(base)) if base else (None, None)
-    table = markdown_table([sweep_row(mu, group, opts.target_reward, t1, shares, len(seeds) > 1)
-                            for mu, group in by_mu.items()])
-    note = table_note(shares)
+    table = markdown_table([sweep_row(mu, lr, groups[mu, lr], groups.get((1, lr)), budget, opts.target_reward)
+                            for lr, mu in sorted((lr, mu) for mu, lr in groups)])
+    note = table_note(budget, opts.target_reward)
     os.makedirs(folder, exist_ok=True)
-    draw(by_mu, os.path.join(folder, "rewards.png"), title, opts.target_reward)
+    draw(groups, budget, os.path.join(folder, "rewards.png"), title, opts.target_reward)
     with open(os.path.join(folder, "rewards.md"), "w") as f:
         f.write(f"{title}\n\nGRPOConfig, changed from its defaults: {config_changes(config)}\n\n{table}\n\n{note}\n")
     print(f"\n{table}\n\n{note}\n\nwritten: {folder}/rewards.png, rewards.md and sweep.jsonl")
@@ -698,25 +807,37 @@ def main(argv=None):
         print(f"preset {opts.preset} ({why}); --preset {other} for the other one")
         print(f"model {opts.model}, dataset {opts.dataset}, reward -|{opts.target_chars} - len(completion)|, "
               f"GRPOConfig changed from its defaults: {config_changes(config)}")
-    mus, seeds = opts.sweep or [config.num_iterations], [config.seed + i for i in range(opts.seeds)]
-    several = len(mus) > 1 or len(seeds) > 1
-    label = ",".join(map(str, mus)) + (f"-seeds={seeds[0]}-{seeds[-1]}" if len(seeds) > 1 else "")
+    mus, lrs = opts.sweep or [config.num_iterations], opts.lrs or [config.learning_rate]
+    seeds = [config.seed + i for i in range(opts.seeds)]
+    several = len(mus) > 1 or len(seeds) > 1 or len(lrs) > 1
+    label = (",".join(map(str, mus)) + (f"-lrs={','.join(f'{lr:g}' for lr in lrs)}" if len(lrs) > 1 else "")
+             + (f"-seeds={seeds[0]}-{seeds[-1]}" if len(seeds) > 1 else ""))
+    if several and opts.resume not in (None, True):
+        fail("--resume CHECKPOINT names one run's checkpoint; a sweep resumes with --resume alone")
     folder = run_dir(config.output_dir, label, several)  # the report's: the run's own for a single run
-    sweep = SweepFile(os.path.join(folder, "sweep.jsonl"), fresh=not opts.resume)
-    runs, code = [], 0  # one dict per run, its logged metrics and sweep points filled as it goes
+    sweep, runs, code = SweepFile(os.path.join(folder, "sweep.jsonl")), [], 0
+    logged = sweep.read() if opts.resume else []  # a resumed sweep keeps what its runs logged
+    # Seed by seed, each through every learning rate and μ: a machine whose speed drifts during the sweep
+    # slows every μ alike. Each run: its config, its sweep points (filled as it goes) and what resumes it.
+    for seed, lr, mu in [(seed, lr, mu) for seed in seeds for lr in lrs for mu in mus]:
+        name = f"{mu}" + (f"-lr={lr:g}" if len(lrs) > 1 else "") + (f"-seed={seed}" if len(seeds) > 1 else "")
+        run = dataclasses.replace(config, num_iterations=mu, seed=seed, learning_rate=lr,
+                                  output_dir=run_dir(config.output_dir, name, several))
+        points = [p for p in logged if (p["mu"], p.get("lr", config.learning_rate), p["seed"]) == (mu, lr, seed)]
+        points, resume = left_to_do(run, points, opts.resume) if opts.resume else ([], None)
+        runs.append({"mu": mu, "lr": lr, "seed": seed, "config": run, "points": points, "resume": resume})
     try:
         model = resolve_model(opts.model)  # before the benchmark's processes, so that they find it converted
         if opts.benchmark:
             return benchmark(config, opts, argv)
         dataset = load_prompts(opts.dataset)
-        # Seed by seed, each through every μ: a machine whose speed drifts during the sweep slows every μ alike.
-        for seed in seeds:
-            for mu in mus:
-                name = f"{mu}-seed={seed}" if len(seeds) > 1 else mu
-                run = dataclasses.replace(config, num_iterations=mu, seed=seed,
-                                          output_dir=run_dir(config.output_dir, name, several))
-                runs.append({"mu": mu, "seed": seed, "records": [], "points": []})
-                train(model, dataset, run, opts, runs[-1], sweep)
+        if opts.resume and RANK0:
+            sweep.rewrite([p for run in runs for p in run["points"]])  # each step once: no step past a checkpoint
+        for run in runs:
+            if run["resume"] is not False:  # False: finished before a --resume
+                train(model, dataset, run, opts, sweep)
+            for checkpoint in gm.list_checkpoints(run["config"].output_dir) if several else []:
+                shutil.rmtree(checkpoint)  # a finished run of a sweep needs none: GBs each
     except KeyboardInterrupt:  # the core has checkpointed the last finished step; report what was logged
         print("\ninterrupted by Ctrl-C")
         code = 130
