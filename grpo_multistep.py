@@ -18,11 +18,10 @@ Part I is the algorithm, in the order of Algorithm 1; Part II, the engineering i
 Left out on purpose: vLLM and `model.generate` (a plain sampling loop is exactly the distribution that the
 log-probs describe), DeepSpeed and FSDP (a gradient all-reduce serves models that fit one GPU), PEFT, warmup.
 """
-import copy, fnmatch, functools, json, math, numbers, os, random, shutil, signal, sys, tempfile, threading
-import time, typing, warnings
-from collections import defaultdict
-from collections.abc import Mapping
-from contextlib import contextmanager, nullcontext, suppress
+import copy, fnmatch, functools, itertools, json, math, numbers, os, random, shutil, signal, sys, tempfile
+import threading, time, typing, warnings
+from collections import abc, defaultdict
+from contextlib import contextmanager, suppress
 from dataclasses import asdict, dataclass, field
 
 import huggingface_hub
@@ -30,7 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from datasets import Dataset
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, set_seed
 
 
 # ======================================== PART I: THE ALGORITHM ========================================
@@ -169,9 +168,8 @@ def per_token_logps(model, prompt_ids, prompt_mask, completion_ids, completion_m
     return torch.cat(logps).view_as(completion_ids)                                       # (b, C)
 
 def micro_batches(batch, size):
-    """The batch in micro-batches of `size` completions (gradient accumulation), each cut to its longest
-    prompt and completion (padding costs compute, changes nothing). 0-dim entries pass whole: the
-    normalizers count the whole optimizer step."""
+    """Micro-batches of `size` completions (gradient accumulation), cut to their longest prompt and
+    completion (padding costs compute, changes nothing); the 0-dim normalizers (whole step) pass whole."""
     for i in range(0, len(batch["completion_mask"]), size):
         mb = {k: v[i:i + size] if v.dim() else v for k, v in batch.items()}
         c, p = int(mb["completion_mask"].sum(1).max()), int(mb["prompt_mask"].sum(1).max())
@@ -244,11 +242,7 @@ class GRPOTrainer:
                 metrics.update(self.optimizer_step(self.batch))           # one of its μ optimizer steps
                 self.step += 1
                 end_of_step(self, metrics)               # log, checkpoint, stop on trouble (Part II)
-            with saving(self):                           # a signal now waits for these files to be whole
-                save_checkpoint(self)
-                if self.rank == 0:
-                    self.model.save_pretrained(args.output_dir)
-                    self.tokenizer.save_pretrained(args.output_dir)
+            save_checkpoint(self, final=True)            # and the trained model, into output_dir (Part II)
         return self
 
     def generate_and_score(self, k):
@@ -321,22 +315,21 @@ class GRPOTrainer:
 # B·P + B·G·C tokens instead of B·G·(P + C), 44 % fewer at P = C = 64, G = 8.
 def shared_prompt_hidden_states(model, prompt_ids, prompt_mask, completion_ids, mask):
     decoder, P, positions = model.get_decoder(), prompt_ids.size(1), position_ids(mask)     # (b, P+C)
-    new = torch.ones(len(prompt_ids), dtype=torch.bool, device=prompt_ids.device)  # (b,): starts a prompt
-    new[1:] = ((prompt_ids[1:] != prompt_ids[:-1]) | (prompt_mask[1:] != prompt_mask[:-1])).any(1)
-    prompt_of = new.cumsum(0) - 1                                                  # (b,): each row's prompt
-    prompt = decoder(input_ids=prompt_ids[new], attention_mask=prompt_mask[new],
-                     position_ids=positions[new, :P], use_cache=True)
+    first = torch.ones(len(prompt_ids), dtype=torch.bool, device=prompt_ids.device)  # (b,): a prompt's first
+    first[1:] = ((prompt_ids[1:] != prompt_ids[:-1]) | (prompt_mask[1:] != prompt_mask[:-1])).any(1)
+    prompt_of = first.cumsum(0) - 1                                                # (b,): each row's prompt
+    prompt = decoder(input_ids=prompt_ids[first], attention_mask=prompt_mask[first],
+                     position_ids=positions[first, :P], use_cache=True)
     prompt.cache.batch_select_indices(prompt_of)                          # (b, heads, P, d) keys, values
-    rest = decoder(input_ids=completion_ids, attention_mask=mask, position_ids=positions[:, P:],
-                   cache=prompt.cache, use_cache=True).last_hidden_state                   # (b, C, H)
+    completion = decoder(input_ids=completion_ids, attention_mask=mask, position_ids=positions[:, P:],
+                         cache=prompt.cache, use_cache=True).last_hidden_state             # (b, C, H)
     # The prompt's last state predicts completion token 0; completion token t's state predicts t+1.
-    return torch.cat([prompt.last_hidden_state[prompt_of, -1:], rest[:, :-1]], 1)          # (b, C, H)
+    return torch.cat([prompt.last_hidden_state[prompt_of, -1:], completion[:, :-1]], 1)    # (b, C, H)
 
 # The LM head, CHUNK tokens at a time: log π(y) = z_y - logsumexp(z), z = (h Wᵀ + b) / T. Forward keeps h
 # and logsumexp(z), never the (n, V) logits; backward computes them again and turns them, in place, into
-# the gradient of a log-softmax, onehot(y) - softmax(z). Against a checkpointed logsumexp/gather: 0.27 GiB
-# less peak RSS and 5 % less step time (docs/performance.md). 256 × 49152 logits = 50 MB for SmolLM2.
-CHUNK = 256
+# onehot(y) - softmax(z). Against a checkpointed logsumexp/gather: 0.27 GiB less peak RSS, 5 % less time.
+CHUNK = 256  # 256 × 49152 logits: 50 MB for SmolLM2
 
 class TokenLogps(torch.autograd.Function):
     @staticmethod
@@ -359,31 +352,27 @@ class TokenLogps(torch.autograd.Function):
         grad_bias = grad_logits.sum(0) if bias is not None and ctx.needs_input_grad[4] else None
         return (grad_logits @ weight).to(hidden.dtype), None, None, grad_weight, grad_bias
 
-# Prompt order: one seeded permutation per epoch, the same on every rank and a function of the batch
-# index alone, so that a resumed run picks up the same prompts.
-def prompt_rows(trainer, k):
-    a, n = trainer.args, len(trainer.dataset)
-    per_rank = a.per_device_train_batch_size * a.gradient_accumulation_steps // a.num_generations
+def prompt_rows(trainer, k):  # of generation batch k: a function of k alone, so a resume picks the same ones
+    args, n = trainer.args, len(trainer.dataset)
+    per_rank = args.per_device_train_batch_size * args.gradient_accumulation_steps // args.num_generations
     first = (k * trainer.world_size + trainer.rank) * per_rank
-    return [epoch_order(n, a.seed + i // n)[i % n] for i in range(first, first + per_rank)]
+    return [epoch_order(n, args.seed + i // n)[i % n] for i in range(first, first + per_rank)]
 
 @functools.lru_cache(maxsize=2)
-def epoch_order(n, seed):
+def epoch_order(n, seed):  # one seeded permutation of the rows per epoch, the same on every rank
     return torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
 
-# Timing: seconds per phase of a step; on a GPU the clock waits for it, once per phase boundary.
-PHASES = ("generate", "logps", "forward", "backward", "optimizer")
+PHASES = ("generate", "logps", "forward", "backward", "optimizer")  # timed (on a GPU, synchronized at each)
 
-def lap(trainer, phase):  # end the running phase (if any), start `phase` (None: no phase)
+def lap(trainer, phase):  # end the running phase, start `phase` (None: between phases, not reported)
     if trainer.device.type == "cuda":
         torch.cuda.synchronize(trainer.device)
     now = time.perf_counter()
-    if trainer.phase is not None:
-        trainer.seconds[trainer.phase] += now - trainer.phase_start
+    trainer.seconds[trainer.phase] += now - trainer.phase_start
     trainer.phase, trainer.phase_start = phase, now
 
 def autocast(trainer):  # bf16: every model call under bfloat16 autocast; the loss and AdamW stay float32
-    return torch.autocast(trainer.device.type, dtype=torch.bfloat16) if trainer.args.bf16 else nullcontext()
+    return torch.autocast(trainer.device.type, dtype=torch.bfloat16, enabled=trainer.args.bf16)
 
 # torchrun: every rank runs this program on its own prompts. Each rank's loss is divided by the whole
 # step's normalizers, so the sum of the ranks' gradients is the step's gradient: DDP's job, whose hooks
@@ -421,8 +410,7 @@ def on_every_rank(trainer, fn, *args):  # user code (reward functions): an error
         raise error or RuntimeError("a reward function failed on another rank (see its log)")
     return result
 
-# Metrics: sums over micro-batches and ranks, one all-reduce each; the seconds stay each rank's own.
-def batch_metrics(trainer, rewards_per_func, rewards, mask):
+def batch_metrics(trainer, rewards_per_func, rewards, mask):  # means over ranks (one all-reduce), as below
     m = {"reward": rewards.mean(), "reward_std": rewards.view(-1, trainer.args.num_generations).std(1).mean(),
          "completion_length": mask.sum(1).float().mean()}
     names = [getattr(f, "__name__", type(f).__name__) for f in trainer.reward_funcs]
@@ -432,7 +420,7 @@ def batch_metrics(trainer, rewards_per_func, rewards, mask):
     means = all_reduce(trainer, torch.stack([v.float().to(trainer.device) for v in m.values()]))
     return dict(zip(m, (means / trainer.world_size).tolist()))
 
-def step_metrics(trainer, sums, grad_norm, num_tokens):
+def step_metrics(trainer, sums, grad_norm, num_tokens):  # sums over micro-batches and ranks
     totals = all_reduce(trainer, torch.stack([torch.as_tensor(v, device=trainer.device).float()
                                               for v in sums.values()]))
     s, n, finite = dict(zip(sums, totals.tolist())), float(num_tokens), bool(grad_norm.isfinite())
@@ -447,19 +435,16 @@ def step_metrics(trainer, sums, grad_norm, num_tokens):
 def end_of_step(trainer, metrics):  # log every logging_steps, checkpoint every save_steps, stop on trouble
     args, trainer.snapshot = trainer.args, snapshot(trainer)  # first: what a checkpoint of this step holds
     lap(trainer, None)  # the update is over: from here on a signal stops the run at once
-    metrics.update({f"time_{k}": v for k, v in trainer.seconds.items()})
-    trainer.seconds = dict.fromkeys(PHASES, 0.0)
-    if trainer.nonfinite_in_a_row >= 3:
-        raise RuntimeError(f"training stopped at step {trainer.step}: {trainer.nonfinite_in_a_row} "
-                           "optimizer steps in a row had a non-finite loss or gradient norm (check the "
-                           "rewards, lower the learning rate, turn bf16 off)")
+    metrics.update({f"time_{k}": trainer.seconds.pop(k, 0.0) for k in PHASES})
+    require(trainer.nonfinite_in_a_row < 3, f"training stopped at step {trainer.step}: 3 optimizer steps "
+            "in a row had a non-finite loss or gradient norm (check the rewards, lower the learning rate, "
+            "turn bf16 off)", RuntimeError)
     if "reward_std" in metrics:  # no signal left to learn from: all rewards of each group alike
         trainer.flat_in_a_row = trainer.flat_in_a_row + 1 if metrics["reward_std"] == 0 else 0
         if trainer.flat_in_a_row == 3:
             warnings.warn(f"step {trainer.step}: every group's rewards were equal for 3 generation batches "
-                          "in a row, so the gradient is 0: a reward function that does not vary, or "
-                          "completions all alike (a temperature too low, or a policy that collapsed: a "
-                          "learning rate too high)", stacklevel=3)
+                          "in a row (gradient 0): a reward that does not vary, or completions all alike (a "
+                          "temperature too low, a policy collapsed by a high learning rate)", stacklevel=3)
     for k, v in metrics.items():
         trainer.window[k].append(v)
     if trainer.step % args.logging_steps == 0 or trainer.step == args.max_steps:
@@ -474,22 +459,18 @@ def end_of_step(trainer, metrics):  # log every logging_steps, checkpoint every 
     trainer.should_stop = bool(stop > 0)  # log() may ask to stop (a target reached): every rank stops here
 
 def write_metrics(trainer, metrics):
-    if trainer.rank != 0:
-        return
-    with open(os.path.join(trainer.args.output_dir, "metrics.jsonl"), "a") as f:
-        f.write(json.dumps(metrics) + "\n")
-    print(" | ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in metrics.items()))
-    for prompt, completion, reward in trainer.samples[:4] if trainer.args.log_completions else []:
-        prompt = prompt if isinstance(prompt, str) else prompt[-1]["content"]  # a chat's last turn
-        print(f"  [reward {reward:+.3f}] {prompt[-60:]!r} -> {completion[:100]!r}")
+    if trainer.rank == 0:
+        with open(os.path.join(trainer.args.output_dir, "metrics.jsonl"), "a") as f:
+            f.write(json.dumps(metrics) + "\n")
+        print(" | ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in metrics.items()))
+        for prompt, completion, reward in trainer.samples[:4] if trainer.args.log_completions else []:
+            prompt = prompt if isinstance(prompt, str) else prompt[-1]["content"]  # a chat's last turn
+            print(f"  [reward {reward:+.3f}] {prompt[-60:]!r} -> {completion[:100]!r}")
 
 # Checkpoints: output_dir/checkpoint-<step>, written atomically, loaded without running code, resumed
-# bit-identically on CPU. Rank 0 holds every rank's part of the last finished step (its snapshot), so
-# it can checkpoint that step at any moment, alone: on Ctrl-C, SIGTERM or SIGHUP (then exit status 128 +
-# the signal), or any error. A signal stops the running step at once, except while the weights or
-# files are written: a scheduler's grace window (SLURM, Kubernetes, torchrun: 30 s) is enough.
-STOP_SIGNALS = [getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, name)]
-
+# bit-identically on CPU. Rank 0 holds every rank's part of the last finished step (its snapshot): alone, at
+# any moment, it checkpoints that step on Ctrl-C, SIGTERM or SIGHUP (exit status 128 + the signal) or an
+# error. A signal abandons the running step unless weights or files are being written: seconds, not a step.
 def stop_for(signum):  # Ctrl-C: KeyboardInterrupt; SIGTERM (preemption), SIGHUP (ssh lost): exit 128 + signum
     return KeyboardInterrupt() if signum == signal.SIGINT else SystemExit(128 + signum)
 
@@ -504,16 +485,14 @@ def start_run(trainer, resume_from_checkpoint):  # check again; resume, or start
             "model's own folder, which the run would overwrite: choose another output_dir")
     if args.gradient_checkpointing and not trainer.model.is_activation_checkpointing:  # set after loading
         trainer.model.activation_checkpointing_enable({"use_reentrant": False})
-    metrics = os.path.join(out, "metrics.jsonl")
-    earlier = list_checkpoints(out) + ([metrics] if os.path.exists(metrics) else [])
+    earlier = list_checkpoints(out) + [p for p in [os.path.join(out, "metrics.jsonl")] if os.path.exists(p)]
     folder = os.path.dirname(os.path.abspath(path)) if isinstance(path, (str, os.PathLike)) else out
     own = bool(path) and os.path.realpath(folder) == os.path.realpath(out)  # resuming output_dir's own run
     require(own or not earlier or args.overwrite_output_dir, f"output_dir {out!r} holds another run ("
             f"{', '.join(map(os.path.basename, earlier))}): resume it with train(resume_from_checkpoint="
             "True), choose another output_dir, or set overwrite_output_dir=True (deletes it, starts afresh)")
-    if earlier and not own and trainer.rank == 0:  # its checkpoints, metrics, set-aside work and model
-        aside = [os.path.join(out, n) for n in os.listdir(out) if n.startswith("rolled-back-")]
-        for p in earlier + aside + final_model_files(out):
+    if earlier and not own and trainer.rank == 0:  # its checkpoints, metrics and final model
+        for p in earlier + final_model_files(out):
             (shutil.rmtree if os.path.isdir(p) else os.remove)(p)
     new_run(trainer)
     if path:
@@ -523,13 +502,12 @@ def start_run(trainer, resume_from_checkpoint):  # check again; resume, or start
 
 def new_run(trainer):  # step 0, seeded; nothing left of an earlier run on this trainer (its gradients too)
     trainer.step, trainer.batch, trainer.samples = 0, None, []  # batch: a μ cycle's cached generation batch
-    random.seed(trainer.args.seed + trainer.rank)
-    torch.manual_seed(trainer.args.seed + trainer.rank)  # the same prompts on every rank, different samples
+    set_seed(trainer.args.seed + trainer.rank)  # the same prompts on every rank (prompt_rows), other samples
     trainer.optimizer.zero_grad(set_to_none=True)
     trainer.scheduler, trainer.nonfinite_in_a_row, trainer.flat_in_a_row = lr_schedule(trainer), 0, 0
-    trainer.phase, trainer.seconds, trainer.window = None, dict.fromkeys(PHASES, 0.0), defaultdict(list)
+    trainer.phase, trainer.seconds, trainer.window = None, defaultdict(float), defaultdict(list)
     trainer.signal, trainer.saving, trainer.should_stop = None, 0, False
-    trainer.start_time = time.perf_counter()
+    trainer.start_time = trainer.phase_start = time.perf_counter()
 
 def lr_schedule(trainer, step=0):  # AdamW's learning rate from `step` on: linear decay to 0, or constant
     args = trainer.args
@@ -538,16 +516,16 @@ def lr_schedule(trainer, step=0):  # AdamW's learning rate from `step` on: linea
     decay = (lambda s: 1 - s / args.max_steps) if args.lr_scheduler_type == "linear" else (lambda s: 1.0)
     return torch.optim.lr_scheduler.LambdaLR(trainer.optimizer, decay, last_epoch=step - 1)
 
-def snapshot(trainer):  # each rank's RNG states, samples, seconds and, inside a μ cycle, cached batch
-    inside = trainer.step % trainer.args.num_iterations  # on the CPU: sent to rank 0 as bytes
-    batch = {k: v.cpu() for k, v in trainer.batch.items()} if inside else None
+def snapshot(trainer):  # each rank's RNG states, samples, seconds and, inside a μ cycle, batch (on the CPU)
+    inside_a_cycle = trainer.step % trainer.args.num_iterations
+    batch = {k: v.cpu() for k, v in trainer.batch.items()} if inside_a_cycle else None
     rng = {"python": random.getstate(), "torch": torch.get_rng_state(),
            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
-    mine = {"step": trainer.step, "rng": rng, "samples": trainer.samples, "batch": batch,
-            "elapsed": time.perf_counter() - trainer.start_time}
-    ranks = [mine] * trainer.world_size
+    this_rank = {"step": trainer.step, "rng": rng, "samples": trainer.samples, "batch": batch,
+                 "elapsed": time.perf_counter() - trainer.start_time}
+    ranks = [this_rank] * trainer.world_size
     if trainer.world_size > 1:  # at the end of the update, a moment every rank reaches together
-        dist.all_gather_object(ranks, mine)
+        dist.all_gather_object(ranks, this_rank)
     return ranks
 
 @contextmanager
@@ -560,7 +538,8 @@ def checkpoint_on_failure(trainer):
     if not main:
         warnings.warn("train() runs outside the main thread, where signals cannot be caught: Ctrl-C, SIGTERM "
                       "or SIGHUP would end it without a checkpoint of its finished steps", stacklevel=3)
-    previous = {s: signal.signal(s, on_signal) for s in STOP_SIGNALS} if main else {}
+    stops = [getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, name)]
+    previous = {s: signal.signal(s, on_signal) for s in stops} if main else {}
     try:
         yield
     except BaseException as e:
@@ -576,39 +555,35 @@ def checkpoint_on_failure(trainer):
         for s, handler in previous.items():
             signal.signal(s, handler)
 
-@contextmanager
-def saving(trainer):  # a signal that comes while files are written waits for them to be complete
-    trainer.saving += 1
+def save_checkpoint(trainer, final=False):  # rank 0, from the last finished step's snapshot: no collective
+    args, step = trainer.args, trainer.step
+    folder = os.path.join(args.output_dir, f"checkpoint-{step}")
+    trainer.saving += 1  # a signal that comes while files are written waits for them to be complete
     try:
-        yield
+        if trainer.rank == 0 and trainer.saved_step != step:  # (else written already, or resumed from)
+            shutil.rmtree(folder + ".tmp", ignore_errors=True)
+            trainer.model.save_pretrained(folder + ".tmp")
+            torch.save({"step": step, "optimizer": trainer.optimizer.state_dict(), "config": asdict(args),
+                        "lr_step": trainer.scheduler.last_epoch, "world_size": trainer.world_size,
+                        "ranks": trainer.snapshot, "nonfinite_in_a_row": trainer.nonfinite_in_a_row},
+                       f"{folder}.tmp/trainer_state.pt")
+            os.replace(folder + ".tmp", folder)  # atomic: a checkpoint folder is complete or absent
+            keep = args.save_total_limit  # (None: all)
+            for old in list_checkpoints(args.output_dir)[:-keep] if keep else []:
+                shutil.rmtree(old)
+            trainer.saved_step = step
+        if final and trainer.rank == 0:  # the model, for from_pretrained(output_dir)
+            trainer.model.save_pretrained(args.output_dir)
+            trainer.tokenizer.save_pretrained(args.output_dir)
     finally:
         trainer.saving -= 1
     if trainer.signal and not trainer.saving:
         raise stop_for(trainer.signal)
 
-def save_checkpoint(trainer):  # rank 0, from the snapshot of the last finished step: no collective, no wait
-    args, step = trainer.args, trainer.step
-    if trainer.rank != 0 or trainer.saved_step == step:  # (written already, or resumed from)
-        return
-    final = os.path.join(args.output_dir, f"checkpoint-{step}")
-    with saving(trainer):
-        shutil.rmtree(final + ".tmp", ignore_errors=True)
-        trainer.model.save_pretrained(final + ".tmp")
-        torch.save({"step": step, "optimizer": trainer.optimizer.state_dict(), "config": asdict(args),
-                    "lr_step": trainer.scheduler.last_epoch, "world_size": trainer.world_size,
-                    "ranks": trainer.snapshot, "nonfinite_in_a_row": trainer.nonfinite_in_a_row},
-                   f"{final}.tmp/trainer_state.pt")
-        os.replace(final + ".tmp", final)  # atomic: a checkpoint folder is complete or absent
-        keep = args.save_total_limit
-        for old in list_checkpoints(args.output_dir)[:-keep] if keep else []:
-            shutil.rmtree(old)
-        trainer.saved_step = step
-
-SHAPE = ("num_iterations", "num_generations", "per_device_train_batch_size", "gradient_accumulation_steps",
-         "world_size")  # what a checkpoint's cached batch, prompt order and RNG states depend on
-CACHED = ("temperature", "beta", "scale_rewards", "reward_weights")  # what a cached batch was made with
-
 def load_checkpoint(trainer, path):
+    shape = ("num_iterations", "num_generations", "per_device_train_batch_size",
+             "gradient_accumulation_steps", "world_size")  # what its batch, prompts and RNG depend on
+    cached = ("temperature", "beta", "scale_rewards", "reward_weights")  # what its cached batch was made with
     args, found = trainer.args, list_checkpoints(trainer.args.output_dir) if path is True else [path]
     require(found, f"resume_from_checkpoint=True but {args.output_dir!r} holds no checkpoint")
     path, file = found[-1], os.path.join(found[-1], "trainer_state.pt")
@@ -623,10 +598,10 @@ def load_checkpoint(trainer, path):
                          if "Weights only load failed" in str(e) else f"{file} is corrupted ({e})") from e
     saved = {**state["config"], "world_size": state["world_size"]}
     current = {**asdict(args), "world_size": trainer.world_size}
-    diff = {k: (saved[k], current[k]) for k in SHAPE if saved[k] != current[k]}
+    diff = {k: (saved[k], current[k]) for k in shape if saved[k] != current[k]}
     require(not diff, f"checkpoint {path!r} was written with a different batch shape (then, now): {diff}")
     this_rank = state["ranks"][trainer.rank]
-    remade = [k for k in CACHED if saved[k] != current[k]]
+    remade = [k for k in cached if saved[k] != current[k]]
     require(not remade or this_rank["batch"] is None, f"checkpoint {path!r} is inside a μ cycle whose "
             f"cached batch was made with other {remade}: resume with its values, or from a cycle boundary")
     changed = [f"{k} {v!r} -> {current.get(k)!r}" for k, v in saved.items()
@@ -653,9 +628,8 @@ def set_aside_after(trainer, step):  # what output_dir's run logged after `step`
     out, metrics = trainer.args.output_dir, os.path.join(trainer.args.output_dir, "metrics.jsonl")
     later = [c for c in list_checkpoints(out) if int(c.rsplit("-", 1)[1]) > step]
     rows = open(metrics).read().splitlines(keepends=True) if os.path.exists(metrics) else []
-    kept, past = [], []
-    for row in rows:  # a line that a crash cut short (no newline) goes too
-        (kept if row.endswith("\n") and json.loads(row)["step"] <= step else past).append(row)
+    kept = list(itertools.takewhile(lambda row: row.endswith("\n") and json.loads(row)["step"] <= step, rows))
+    past = rows[len(kept):]  # and a last line that a crash cut short (no newline)
     if later:  # else save_total_limit or resume_from_checkpoint=True would pick them over this run's own
         aside = tempfile.mkdtemp(prefix=f"rolled-back-to-{step}-", dir=out)
         for p in later + final_model_files(out):
@@ -776,20 +750,19 @@ def call_reward(f, kwargs):  # f's rewards as a float32 column, NaN for None; el
         values = f(**kwargs)
     except Exception as e:
         raise RuntimeError(f"reward function {name!r} raised {type(e).__name__}: {e}") from e
-    require(hasattr(values, "__len__") and not isinstance(values, (Mapping, str)), f"reward function "
+    require(hasattr(values, "__len__") and not isinstance(values, (abc.Mapping, str)), f"reward function "
             f"{name!r} returned a {type(values).__name__}; it must return a list with one number (or None) "
             "per completion", TypeError)
     require(len(values) == len(completions), f"reward function {name!r} returned {len(values)} values for "
             f"{len(completions)} completions; it must return one number (or None) per completion")
-    for i, v in enumerate(values):
-        scalar = torch.is_tensor(v) and v.numel() == 1
-        require(v is None or isinstance(v, numbers.Real) and not isinstance(v, bool) or scalar, f"reward "
+    for i, v in enumerate(values):  # a number, a one-element tensor, or None
+        require(v is None or isinstance(v, numbers.Real) and not isinstance(v, bool) or torch.is_tensor(v)
+                and v.numel() == 1, f"reward "
                 f"function {name!r} returned {v!r} ({type(v).__name__}) for completion {i}; rewards must be "
                 "numbers (or None)", TypeError)
     column = torch.tensor([math.nan if v is None else float(v) for v in values], dtype=torch.float32)
-    overflow = [i for i, v in enumerate(values) if v is not None and not column[i].isfinite()]  # 1e39: inf
-    if overflow:
-        i = overflow[0]
+    i = next((i for i, v in enumerate(values) if v is not None and not column[i].isfinite()), None)  # 1e39
+    if i is not None:
         raise ValueError(f"reward function {name!r} returned {float(values[i])} for completion {i} "
                          f"({completions[i]!r:.80}); rewards must be finite in float32 (None: n/a)")
     return column
@@ -844,16 +817,14 @@ def from_disk_or_hub(cls, name, **kwargs):  # hub unreachable: the local cache o
     try:
         return cls.from_pretrained(name, local_files_only=offline, **kwargs)
     except OSError as e:
-        where = ("the hub is unreachable from here and it is not in the local cache" if offline else
-                 "the folder holds no model of this kind" if local else
-                 "it is not a local folder, and the hub did not give it")
+        where = ("the hub is unreachable and it is not in the local cache" if offline else "the folder "
+                 "holds no model of this kind" if local else "it is no local folder, and the hub has none")
         raise ValueError(f"could not load {name!r}: {where} ({str(e).splitlines()[0]})") from e
 
 def hub_reachable(timeout=3.0):  # one HEAD request with the hub library's own session (proxy, certificates)
     if os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes"):
         return False
-    try:
+    with suppress(Exception):  # no answer in time: unreachable (any HTTP status, 404 too, is an answer)
         huggingface_hub.get_session().head(huggingface_hub.constants.ENDPOINT, timeout=timeout)
-    except Exception:  # no answer in time (any HTTP status, 404 included, is an answer)
-        return False
-    return True
+        return True
+    return False
