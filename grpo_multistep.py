@@ -178,8 +178,7 @@ def micro_batches(batch, size):
 
 @torch.no_grad()
 def cached_logps(trainer, model, batch):
-    """π_old's (or π_ref's) log-probs of a generation batch, computed once for its μ optimizer steps, in
-    the same micro-batches as the training passes: so the first step's ratio is exactly 1, not 1 ± noise."""
+    """π_old's or π_ref's log-probs, in the training passes' micro-batches: step 1's ratio is exactly 1."""
     with autocast(trainer):
         logps = [per_token_logps(model, mb["prompt_ids"], mb["prompt_mask"], mb["completion_ids"],
                                  mb["completion_mask"], trainer.args.temperature)              # (b, c) each
@@ -298,14 +297,15 @@ class GRPOTrainer:
             loss.backward()
             for k, v in {"loss": loss.detach(), **stats}.items():
                 sums[k] = sums[k] + v                  # tensors: no GPU sync per micro-batch
-        lap(self, "optimizer")
+        lap(self, "optimizer")                        # (Part II: from here a signal waits for the step's end)
         all_reduce_gradients(self)                    # torchrun: the sum of every rank's gradient
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), args.max_grad_norm or math.inf)
+        metrics = step_metrics(self, sums, grad_norm, batch["num_tokens"])  # its learning rate, before it
         if torch.isfinite(grad_norm):                 # else skip: weights and optimizer state untouched
             self.optimizer.step()
             self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return step_metrics(self, sums, grad_norm, batch["num_tokens"])
+        return metrics
 
     def log(self, metrics):  # override to hook in
         write_metrics(self, metrics)  # rank 0 prints a line and appends it to output_dir/metrics.jsonl
@@ -433,7 +433,7 @@ def step_metrics(trainer, sums, grad_norm, num_tokens):  # sums over micro-batch
             "clip_ratio_high": s["clip_high"] / n, "nonfinite_steps": float(not finite)}
 
 def end_of_step(trainer, metrics):  # log every logging_steps, checkpoint every save_steps, stop on trouble
-    args, trainer.snapshot = trainer.args, snapshot(trainer)  # first: what a checkpoint of this step holds
+    trainer.snapshot = gather_snapshot(trainer)  # first: what a checkpoint of this step holds (a collective)
     lap(trainer, None)  # the update is over: from here on a signal stops the run at once
     metrics.update({f"time_{k}": trainer.seconds.pop(k, 0.0) for k in PHASES})
     require(trainer.nonfinite_in_a_row < 3, f"training stopped at step {trainer.step}: 3 optimizer steps "
@@ -447,13 +447,13 @@ def end_of_step(trainer, metrics):  # log every logging_steps, checkpoint every 
                           "temperature too low, a policy collapsed by a high learning rate)", stacklevel=3)
     for k, v in metrics.items():
         trainer.window[k].append(v)
-    if trainer.step % args.logging_steps == 0 or trainer.step == args.max_steps:
+    if trainer.step % trainer.args.logging_steps == 0 or trainer.step == trainer.args.max_steps:
         trainer.log({"step": trainer.step, **{k: sum(v) / len(v) for k, v in trainer.window.items()},
                      "elapsed": trainer.snapshot[trainer.rank]["elapsed"]})
         trainer.window.clear()
     if trainer.signal:  # it came during the update, which ended first
         raise stop_for(trainer.signal)
-    if trainer.step % args.save_steps == 0 and trainer.step < args.max_steps:
+    if trainer.step % trainer.args.save_steps == 0 and trainer.step < trainer.args.max_steps:
         save_checkpoint(trainer)
     stop = all_reduce(trainer, torch.tensor(float(trainer.should_stop), device=trainer.device))
     trainer.should_stop = bool(stop > 0)  # log() may ask to stop (a target reached): every rank stops here
@@ -498,9 +498,9 @@ def start_run(trainer, resume_from_checkpoint):  # check again; resume, or start
     if path:
         load_checkpoint(trainer, path)
     trainer.saved_step = trainer.step if own else None  # a checkpoint is written once, never replaced
-    trainer.snapshot = snapshot(trainer)
+    trainer.snapshot = gather_snapshot(trainer)
 
-def new_run(trainer):  # step 0, seeded; nothing left of an earlier run on this trainer (its gradients too)
+def new_run(trainer):  # step 0, seeded; no counter, clock or gradient of an earlier train() (weights stay)
     trainer.step, trainer.batch, trainer.samples = 0, None, []  # batch: a μ cycle's cached generation batch
     set_seed(trainer.args.seed + trainer.rank)  # the same prompts on every rank (prompt_rows), other samples
     trainer.optimizer.zero_grad(set_to_none=True)
@@ -516,16 +516,16 @@ def lr_schedule(trainer, step=0):  # AdamW's learning rate from `step` on: linea
     decay = (lambda s: 1 - s / args.max_steps) if args.lr_scheduler_type == "linear" else (lambda s: 1.0)
     return torch.optim.lr_scheduler.LambdaLR(trainer.optimizer, decay, last_epoch=step - 1)
 
-def snapshot(trainer):  # each rank's RNG states, samples, seconds and, inside a μ cycle, batch (on the CPU)
+def gather_snapshot(trainer):  # each rank's RNG states, samples, elapsed and, inside a μ cycle, batch (CPU)
     inside_a_cycle = trainer.step % trainer.args.num_iterations
     batch = {k: v.cpu() for k, v in trainer.batch.items()} if inside_a_cycle else None
     rng = {"python": random.getstate(), "torch": torch.get_rng_state(),
            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
     this_rank = {"step": trainer.step, "rng": rng, "samples": trainer.samples, "batch": batch,
                  "elapsed": time.perf_counter() - trainer.start_time}
-    ranks = [this_rank] * trainer.world_size
+    ranks = [this_rank] * trainer.world_size  # on rank 0, every rank's; elsewhere its own
     if trainer.world_size > 1:  # at the end of the update, a moment every rank reaches together
-        dist.all_gather_object(ranks, this_rank)
+        dist.gather_object(this_rank, ranks if trainer.rank == 0 else None, dst=0)
     return ranks
 
 @contextmanager
@@ -611,10 +611,10 @@ def load_checkpoint(trainer, path):
     if state["step"] >= args.max_steps:
         warnings.warn(f"checkpoint {path!r} is at step {state['step']} and max_steps={args.max_steps}: "
                       "nothing is left to train; the final model is saved again")
-    if trainer.rank == 0:
-        set_aside_after(trainer, state["step"])
     trainer.model.load_state_dict(weights)
     trainer.optimizer.load_state_dict(state["optimizer"])
+    if trainer.rank == 0:  # once the checkpoint has loaded
+        set_aside_after(trainer, state["step"])
     trainer.step, trainer.nonfinite_in_a_row = state["step"], state["nonfinite_in_a_row"]
     trainer.batch, trainer.samples = this_rank["batch"], this_rank["samples"]
     random.setstate(this_rank["rng"]["python"])

@@ -1236,7 +1236,8 @@ def test_sigterm_to_torchrun_stops_every_rank_within_seconds_with_a_checkpoint(t
     assert code != 0 and seconds < 20, (code, seconds)
     assert checkpoints(tmp_path / "out") == ["checkpoint-2"]
     for args in (["fast", str(tmp_path / "out"), "resume"], ["fast", str(tmp_path / "whole"), "new"]):
-        subprocess.run([*torchrun, *args], env=env, check=True, timeout=300)
+        done = subprocess.run([*torchrun, *args], env=env, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-5000:]
     weights = [gm.AutoModelForCausalLM.from_pretrained(tmp_path / d).state_dict() for d in ("out", "whole")]
     assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
     assert metrics_of(tmp_path / "out") == metrics_of(tmp_path / "whole")
@@ -1292,6 +1293,10 @@ def test_the_config_is_checked_again_when_train_starts(tmp_path):
     trainer.args.num_generations, trainer.args.beta = 4, 0.1
     with pytest.raises(ValueError, match="no reference model"):
         trainer.train()
+    trainer.args.beta, trainer.args.epsilon = 0.0, 0.05  # epsilon_high=None follows ε to the new value
+    clipped = gm.grpo_loss(torch.log(torch.tensor([[1.1]])), torch.zeros(1, 1), None, torch.ones(1),
+                           torch.ones(1, 1), trainer.args, 1, 1)[1]["clip_high"]
+    assert trainer.args.epsilon_high is None and clipped == 1
 
 
 def test_a_checkpoint_is_written_once_and_never_replaced(tmp_path, monkeypatch):

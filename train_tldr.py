@@ -22,19 +22,22 @@ Examples:
   python train_tldr.py --sweep 1 2 4                      # the PR's charts: PNG + table
   python train_tldr.py --sweep 1 2 4 --seeds 3            # 3 seeds per μ: mean and min-max band, ± sd
   python train_tldr.py --sweep 1 4 --time-budget 300      # also stop each run after 300 s
+  python train_tldr.py --sweep 1 2 4 --lrs 1.25e-6 5e-6 2e-5 --seeds 3 --time-budget 180 \\
+      --lr_scheduler_type constant --max_steps 1000      # the μ × learning-rate grid of docs/cpu-grid/
   python train_tldr.py --target-reward -15                # stop once the reward reaches -15
   python train_tldr.py --benchmark --bf16                 # seconds per phase, peak memory
   python train_tldr.py --model ./my-model --dataset prompts.jsonl --learning_rate 3e-6
 Every GRPOConfig field is a flag (python train_tldr.py --help). A sweep gives every μ the same
 budget: the same max_steps optimizer steps (the PR's comparison: as many updates, μ>1 generating
 1/μ as often) and, with --time-budget, the same wall-clock seconds, whichever ends first; with
---seeds N every μ runs the same N seeds (seed, seed+1, ...). The sweep's folder gets sweep.jsonl (every
-logged point of every run: mu, seed, step, generated_completions, elapsed, reward, clip ratios, step
-seconds), rewards.png and rewards.md; each run's own folder keeps its metrics.jsonl.
+--seeds N every μ runs the same N seeds (seed, seed+1, ...), and with --lrs every learning rate. The
+sweep's folder gets sweep.jsonl (every logged point of every run: mu, lr, seed, step,
+generated_completions, elapsed, reward, clip ratios, step seconds; "end" on a run's last point),
+rewards.png and rewards.md; each run's own folder keeps its metrics.jsonl. --resume finishes a sweep cut
+short: finished runs stay as they are, runs cut short continue from their checkpoint, the others start.
 """
 
 import argparse
-import bisect
 import contextlib
 import dataclasses
 import importlib.util
@@ -105,6 +108,8 @@ REFERENCE = ("TRL 1.16 on the 2-core machine, float32: median 44 s/step (generat
              "backward ≈19), peak RSS 5.7 GiB (6.1 GiB with β=0.04).\nTargets: ≤35 s/step at μ=1, peak RSS "
              "≤2.9 GiB at β=0, no generate or logps time in the μ=4 reuse steps, other ≤3%.")
 PHASES = ("generate", "logps", "forward", "backward", "optimizer")
+# What one μ = 4 reuse step was worth in fresh steps, measured in the μ × learning-rate grid: --benchmark's rule.
+REUSE_WORTH, REUSE_WORTH_SOURCE = 0.5, "docs/cpu-grid/rewards.md, μ = 4 at learning rate X"
 
 # The cpu preset's prompts: trl-lib/tldr's format, as a chat. Given the plain "... TL;DR:" text the
 # instruct model continues the post and never ends it, so every completion is max_completion_length
@@ -497,11 +502,14 @@ def first_reaching(points, target):
     return None
 
 
-def newest_reward(run, clock, x):
-    """A run's reward at x on a clock ("step", "generated_completions", "elapsed"): that of its newest
-    generation batch by then (a batch's reward is known once it is generated; none is interpolated)."""
-    fresh = generated(run["points"])
-    return fresh[max(0, bisect.bisect_right([p[clock] for p in fresh], x) - 1)]["reward"]
+def reward_by(run, clock, x):
+    """A run's reward by x on a clock ("generated_completions", "elapsed"): the mean reward of its
+    generation batches in the last third of [0, x], or of its newest one before, if none is in it. One
+    batch of a few completions is noisy; the last third averages the latest policies at the same lag on
+    every μ (more batches where μ = 1 generates more often)."""
+    fresh = [p for p in generated(run["points"]) if p[clock] <= x] or generated(run["points"])[:1]
+    window = [p["reward"] for p in fresh if p[clock] > 2 * x / 3] or [fresh[-1]["reward"]]
+    return statistics.mean(window)
 
 
 def run_dir(template, label, several):
@@ -571,12 +579,12 @@ def sweep_row(mu, lr, runs, base, budget, target):
     per_step = statistics.mean(map(seconds_per_step, runs))
     clips = [p["clip_ratio_low"] + p["clip_ratio_high"] for r in runs for p in r["points"] if not p["generated"]]
     shares = cost_shares(base) if base else None
-    worth = reuse_worth(runs, base) if base and mu > 1 else None
+    worth = reuse_worth(runs, base, shares) if base and mu > 1 else None
     row = {"μ": mu, "learning rate": lr, "seeds": len(runs), "steps": spread(steps),
            "generation batches": spread([math.ceil(s / mu) for s in steps]),
            f"final reward (mean of last {RECENT} logged)": mean_sd([recent_reward(r["points"]) for r in runs])}
     for clock, x in budget.items():
-        row[f"reward at {x:.4g} {CLOCK_UNITS[clock]}"] = mean_sd([newest_reward(r, clock, x) for r in runs])
+        row[f"reward by {x:.4g} {CLOCK_UNITS[clock]}"] = mean_sd([reward_by(r, clock, x) for r in runs])
     if target is not None:
         reached = [x["elapsed"] for x in (first_reaching(r["points"], target) for r in runs) if x]
         row["time to target (median s)"] = (f"{statistics.median(reached):.3g} s, {len(reached)}/{len(runs)} seeds"
@@ -585,36 +593,39 @@ def sweep_row(mu, lr, runs, base, budget, target):
             "T(μ)/T(1) measured": per_step / statistics.mean(map(seconds_per_step, base)) if base else "—",
             "T(μ)/T(1) predicted": "—" if shares is None else 1.0 if mu == 1 else (1 - shares[0]) + sum(shares) / mu,
             "reuse step worth w": "—" if worth is None else worth[0],
-            "μ wins per second where g >": "—" if worth is None else worth[1]}
+            "μ wins per second where g >": "—" if worth is None else worth[1]}  # (g* > 1: nowhere)
 
 
-def reuse_worth(runs, base):
+def reuse_worth(runs, base, shares):
     """w: what a reuse step is worth in fresh steps, and g*: the generation share above which μ would win
-    per second, from the mean reward over seeds against optimizer steps. μ's last generation batch in the
-    steps that all these runs reached measures the policy after U updates, F = ⌈U/μ⌉ of them on fresh
-    batches; μ = 1's mean curve (made non-decreasing) reaches that reward after u₁ updates: F + w (U - F)
-    = u₁. Per second, μ's U steps cost U·T(μ) = (U/μ)·T(1)·(μ(1 - g) + g + l): μ wins where F + w (U - F) >
-    that many μ = 1 steps, g > 1 - w + l/(μ - 1). "≥ w": μ beat every reward μ = 1 reached."""
+    per second. From the slopes of the reward against optimizer steps (least squares over every seed's
+    generation batches, up to the steps that all these runs reached): μ's steps gain (1 + (μ - 1) w) / μ
+    of what μ = 1's steps gain. Per second μ's steps cost T(μ) = T(1) ((1 - g) + (g + l) / μ), so μ wins
+    where (1 + (μ - 1) w) / μ > (1 - g) + (g + l) / μ, that is g > 1 - w + l / (μ - 1). None where μ = 1's
+    slope is within 2 standard errors of 0: no learning to measure a reuse step against."""
     mu, last = runs[0]["mu"], min(r["points"][-1]["step"] for r in runs + base)
-    updates = max(k for k in range(1, last + 1) if (k - 1) % mu == 0) - 1
-    fresh = math.ceil(updates / mu)
-    if updates == fresh:
+
+    def slope(cell):  # reward per optimizer step, and its standard error
+        steps, rewards = zip(*[(p["step"], p["reward"]) for r in cell for p in generated(r["points"])
+                               if p["step"] <= last])
+        (b, _), cov = np.polyfit(steps, rewards, 1, cov=True)
+        return b, math.sqrt(cov[0, 0])
+
+    if min(len([p for r in cell for p in generated(r["points"]) if p["step"] <= last]) for cell in (runs, base)) < 4:
+        return None  # too few batches for a slope and its error
+    (b1, error), (b, _) = slope(base), slope(runs)
+    if b1 <= 2 * error:
         return None
-    reached = statistics.mean(newest_reward(r, "step", updates + 1) for r in runs)
-    curve = np.maximum.accumulate([statistics.mean(newest_reward(r, "step", u + 1) for r in base)
-                                   for u in range(last)])  # μ = 1's reward after u updates, u = 0 .. last - 1
-    w = (float(np.interp(reached, curve, np.arange(last))) - fresh) / (updates - fresh)
-    above = "≥ " if reached > curve[-1] else ""
-    g_star = 1 - w + cost_shares(base)[1] / (mu - 1)
-    return f"{above}{w:.2f}", ("≤ " if above else "") + f"{g_star:.2f}"
+    w = (mu * b / b1 - 1) / (mu - 1)
+    return w, 1 - w + shares[1] / (mu - 1)
 
 
 def table_note(budget, target):
     notes = [f"final reward: the mean of a run's last {RECENT} logged rewards (the reward now, as --target-reward "
              "reads it); mean ± sd: the mean over seeds, ± their standard deviation.",
-             f"reward at {budget['generated_completions']:g} completions and at {budget['elapsed']:.4g} s: the "
-             "reward of each run's newest generation batch by then (the most any run of every cell reached), "
-             "mean ± sd over seeds: the same budget of samples and of time for every μ."]
+             f"reward by {budget['generated_completions']:g} completions and by {budget['elapsed']:.4g} s (the "
+             "most that every run reached): the mean reward of a run's generation batches in the last third of "
+             "that budget, mean ± sd over seeds: the same budget of samples and of time for every μ."]
     if target is not None:
         notes.append("time to target: the median over the seeds that reached it, and how many did.")
     notes += ["s/step: a run's elapsed seconds ÷ its optimizer steps (the first step's warm-up included), mean over "
@@ -626,9 +637,10 @@ def table_note(budget, target):
               "which μ > 1 also makes once per generation batch), and l, the share of a π_old log-prob pass, for "
               "which their training forward (time_forward) stands in (it keeps activations for the backward, so "
               "l may overstate a π_old pass, which runs without gradients).",
-              "reuse step worth w and g: see reuse_worth in train_tldr.py. w = 1: a reuse step moves the reward "
-              "as much as a step on fresh samples; w = 0: not at all. μ pays per second where generation takes "
-              "more than that share g of a μ = 1 step."]
+              "reuse step worth w: the reward a reuse step gains, in steps on fresh samples (1: as much; 0: "
+              "nothing), from the slopes of the reward against optimizer steps of μ and of μ = 1 at the same "
+              "learning rate; —: μ = 1's slope is within 2 standard errors of 0. μ wins per second where g, "
+              "the generation share of a μ = 1 step, exceeds 1 − w + l/(μ − 1) (reuse_worth in train_tldr.py)."]
     return "\n".join(f"- {note}" for note in notes)
 
 
@@ -670,7 +682,7 @@ def draw(groups, budget, path, title, target):
     clocks = CLOCKS if len(lrs) == 1 else [("lr", "learning rate"), *CLOCKS[:0:-1]]
     for i, mu in enumerate(mus):
         color, cells = f"C{i % 10}", sorted(lr for m, lr in groups if m == mu)
-        at_budget = [[newest_reward(r, "elapsed", budget["elapsed"]) for r in groups[mu, lr]] for lr in cells]
+        at_budget = [[reward_by(r, "elapsed", budget["elapsed"]) for r in groups[mu, lr]] for lr in cells]
         best = cells[int(np.argmax([statistics.mean(v) for v in at_budget]))]
         label = f"μ={mu}" + (f", learning rate {best:g}" if len(lrs) > 1 else "")
         if len(lrs) > 1:
@@ -687,7 +699,7 @@ def draw(groups, budget, path, title, target):
         ax.legend(fontsize=8)
     if len(lrs) > 1:
         axes[0].set_xscale("log")
-        axes[0].set_ylabel(f"reward at {budget['elapsed']:.4g} s (newest batch)")
+        axes[0].set_ylabel(f"reward by {budget['elapsed']:.4g} s (its last third)")
     else:
         axes[0].set_ylabel("mean reward of a generation batch")
     fig.suptitle(title, fontsize=9)
@@ -760,11 +772,31 @@ def benchmark(config, opts, argv):
                         os.remove(entry.path)
                 rows += phase_rows(name, records, mu)
                 print(markdown_table(rows))
-    table = markdown_table(rows)
+    table, advice = markdown_table(rows), should_mu_be_on(rows)
     with open(os.path.join(folder, "benchmark.md"), "w") as f:
-        f.write(f"Median seconds per optimizer step, {opts.model}, {BENCHMARK}\n\n{table}\n\nReference: {REFERENCE}\n")
-    print(f"\n{table}\n\nReference: {REFERENCE}\nwritten: {folder}/benchmark.md")
+        f.write(f"Median seconds per optimizer step, {opts.model}, {BENCHMARK}\n\n{table}\n\n{advice}\n\n"
+                f"Reference: {REFERENCE}\n")
+    print(f"\n{table}\n\n{advice}\n\nReference: {REFERENCE}\nwritten: {folder}/benchmark.md")
     return 0
+
+
+def should_mu_be_on(rows):
+    """This machine's g (the generation share of a μ = 1 step) and l (a π_old pass, measured in the μ = 4
+    generation step), the step time that μ = 2, 4, 8 would take relative to μ = 1, and the verdict's rule."""
+    row = {r["configuration"]: r for r in rows}
+    if not {"μ=1 β=0 fp32", "μ=4 β=0 fp32 generation step"} <= row.keys():
+        return "g, l and the rule need the μ = 1 and μ = 4 configurations at β = 0"
+    one, four = row["μ=1 β=0 fp32"], row["μ=4 β=0 fp32 generation step"]
+    g, l = one["generate"] / one["total"], four["logps"] / one["total"]
+    predicted = ", ".join(f"μ={mu} {(1 - g) + (g + l) / mu:.2f}" for mu in (2, 4, 8))
+    measured = row["μ=4 β=0 fp32 per step over a cycle"]["total"] / one["total"]
+    g_star = 1 - REUSE_WORTH + l / 3
+    verdict = (f"g = {g:.2f} > {g_star:.2f}: μ = 4 should pay per second here" if g > g_star else
+               f"g = {g:.2f} ≤ {g_star:.2f}: keep μ = 1 here (more fresh samples per second beat reuse)")
+    return (f"This machine: g = {g:.2f} of a μ = 1 step generates, l = {l:.2f} is a π_old pass. Predicted "
+            f"T(μ)/T(1) = (1 − g) + (g + l)/μ: {predicted} (μ = 4 measured: {measured:.2f}).\n"
+            f"Rule: μ = 4 wins per second where g > 1 − w + l/3, w = {REUSE_WORTH} being what a reuse step was "
+            f"worth in fresh steps in the CPU grid ({REUSE_WORTH_SOURCE}). {verdict}.")
 
 
 def phase_rows(name, records, mu):
