@@ -160,8 +160,8 @@ def per_token_logps(model, prompt_ids, prompt_mask, completion_ids, completion_m
         hidden = hidden[:, prompt_ids.size(1) - 1:-1]                                     # (b, C, H)
     else:  # the same states, with each group's prompt run once for its G completions (Part II)
         hidden = shared_prompt_hidden_states(model, prompt_ids, prompt_mask, completion_ids, mask)
-    # The state at t predicts token t+1. The LM head runs on CHUNK tokens at a time and recomputes them in
-    # backward (Part II): the (b, C, V) logits, the largest tensor here, never exist whole.
+    # The state at t predicts token t+1: log π(y) = log_softmax(lm_head(h) / T)[y], CHUNK tokens at a time
+    # and recomputed in backward (Part II): the (b, C, V) logits, the largest tensor, never exist at once.
     head = model.get_output_embeddings()
     pairs = zip(hidden.flatten(0, 1).split(CHUNK), completion_ids.flatten().split(CHUNK))  # (n, H), (n,)
     logps = [TokenLogps.apply(h, y, temperature, head.weight, head.bias) for h, y in pairs]  # log π(y)
@@ -755,11 +755,11 @@ def call_reward(f, kwargs):  # f's rewards as a float32 column, NaN for None; el
             "per completion", TypeError)
     require(len(values) == len(completions), f"reward function {name!r} returned {len(values)} values for "
             f"{len(completions)} completions; it must return one number (or None) per completion")
-    for i, v in enumerate(values):  # a number, a one-element tensor, or None
-        require(v is None or isinstance(v, numbers.Real) and not isinstance(v, bool) or torch.is_tensor(v)
-                and v.numel() == 1, f"reward "
-                f"function {name!r} returned {v!r} ({type(v).__name__}) for completion {i}; rewards must be "
-                "numbers (or None)", TypeError)
+    for i, v in enumerate(values):
+        scalar = torch.is_tensor(v) and v.numel() == 1
+        number = scalar or isinstance(v, numbers.Real) and not isinstance(v, bool)
+        require(v is None or number, f"reward function {name!r} returned {v!r} ({type(v).__name__}) for "
+                f"completion {i}; rewards must be numbers (or None)", TypeError)
     column = torch.tensor([math.nan if v is None else float(v) for v in values], dtype=torch.float32)
     i = next((i for i, v in enumerate(values) if v is not None and not column[i].isfinite()), None)  # 1e39
     if i is not None:

@@ -256,17 +256,21 @@ def test_a_grid_of_mu_and_learning_rates_reports_every_cell(tiny, tmp_path):
     assert is_png(folder / "rewards.png")
 
 
-def test_the_worth_of_a_reuse_step_comes_from_the_reward_slopes():
-    """μ = 1 gains 4 per step. A μ = 2 whose reuse steps gain half a fresh step's (w = 0.5) gains 3 per step,
-    (1 + w)/2 of μ = 1's: w comes back from the slopes, and with l = 0.1, g* = 1 - w + l/(μ - 1) = 0.6."""
-    def run(mu, reward):
-        points = [{"step": s, "generated": (s - 1) % mu == 0, "reward": reward(s - 1)} for s in range(1, 13)]
-        return {"mu": mu, "points": points}
-    fresh_then_reuse = lambda u: -60 + 4 * (math.ceil(u / 2) + 0.5 * (u - math.ceil(u / 2)))
-    w, g_star = train_tldr.reuse_worth([run(2, fresh_then_reuse)], [run(1, lambda u: -60 + 4 * u)], (0.5, 0.1))
-    assert (round(w, 6), round(g_star, 6)) == (0.5, 0.6)
-    flat = lambda u: -60.0 + 5 * (-1) ** u  # μ = 1 learns nothing: no worth to measure against it
-    assert train_tldr.reuse_worth([run(2, fresh_then_reuse)], [run(1, flat)], (0.5, 0.1)) is None
+@pytest.mark.parametrize("mu", [2, 4])
+def test_the_worth_of_a_reuse_step_and_where_mu_pays_come_back_from_known_curves(mu):
+    """μ = 1 gains 4 reward per step, one step a second. μ's steps on fresh batches gain 4 too, its reuse steps
+    4w: w comes back, and with l = 0.1 the generation share above which μ wins per second, 1 - w + l/(μ - 1)."""
+    def runs(mu, reward):  # two seeds alike
+        points = [{"step": s, "elapsed": float(s), "generated": (s - 1) % mu == 0, "reward": reward(s - 1)}
+                  for s in range(1, 25)]
+        return [{"mu": mu, "points": points}] * 2
+    base = runs(1, lambda u: -60 + 4 * u)
+    for w in (0.25, 0.5, 1.0):
+        found_w, g_star = train_tldr.where_mu_pays(runs(mu, lambda u: -60 + 4 * (u / mu + w * (u - u / mu))),
+                                                   base, (0.5, 0.1), 12.0)
+        assert abs(found_w - w) < 0.05 and abs(g_star - (1 - found_w + 0.1 / (mu - 1))) < 1e-9
+    flat = runs(1, lambda u: -60.0 + 5 * (-1) ** u)  # μ = 1 learns nothing: nothing to measure against
+    assert train_tldr.where_mu_pays(runs(mu, lambda u: -60.0 + u), flat, (0.5, 0.1), 12.0) is None
 
 
 def test_preset_values_are_defaults_that_flags_override():

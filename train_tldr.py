@@ -108,8 +108,9 @@ REFERENCE = ("TRL 1.16 on the 2-core machine, float32: median 44 s/step (generat
              "backward ≈19), peak RSS 5.7 GiB (6.1 GiB with β=0.04).\nTargets: ≤35 s/step at μ=1, peak RSS "
              "≤2.9 GiB at β=0, no generate or logps time in the μ=4 reuse steps, other ≤3%.")
 PHASES = ("generate", "logps", "forward", "backward", "optimizer")
-# What one μ = 4 reuse step was worth in fresh steps, measured in the μ × learning-rate grid: --benchmark's rule.
-REUSE_WORTH, REUSE_WORTH_SOURCE = 0.5, "docs/cpu-grid/rewards.md, μ = 4 at learning rate X"
+# What a μ = 4 reuse step was worth in fresh steps in the μ × learning-rate grid (docs/cpu-grid/rewards.md), at
+# the rate where it was worth most: --benchmark's rule. 0.00 at 2e-5.
+REUSE_WORTH, REUSE_WORTH_SOURCE = 0.31, "docs/cpu-grid/rewards.md: μ = 4 at learning rate 5e-6, its best"
 
 # The cpu preset's prompts: trl-lib/tldr's format, as a chat. Given the plain "... TL;DR:" text the
 # instruct model continues the post and never ends it, so every completion is max_completion_length
@@ -579,8 +580,9 @@ def sweep_row(mu, lr, runs, base, budget, target):
     per_step = statistics.mean(map(seconds_per_step, runs))
     clips = [p["clip_ratio_low"] + p["clip_ratio_high"] for r in runs for p in r["points"] if not p["generated"]]
     shares = cost_shares(base) if base else None
-    worth = reuse_worth(runs, base, shares) if base and mu > 1 else None
-    row = {"μ": mu, "learning rate": lr, "seeds": len(runs), "steps": spread(steps),
+    worth = where_mu_pays(runs, base, shares, budget["elapsed"]) if base and mu > 1 else None
+    row = {"μ": mu, "learning rate": lr, "g, l": "—" if mu > 1 or not shares else f"{shares[0]:.2f}, {shares[1]:.2f}",
+           "seeds": len(runs), "steps": spread(steps),
            "generation batches": spread([math.ceil(s / mu) for s in steps]),
            f"final reward (mean of last {RECENT} logged)": mean_sd([recent_reward(r["points"]) for r in runs])}
     for clock, x in budget.items():
@@ -593,31 +595,45 @@ def sweep_row(mu, lr, runs, base, budget, target):
             "T(μ)/T(1) measured": per_step / statistics.mean(map(seconds_per_step, base)) if base else "—",
             "T(μ)/T(1) predicted": "—" if shares is None else 1.0 if mu == 1 else (1 - shares[0]) + sum(shares) / mu,
             "reuse step worth w": "—" if worth is None else worth[0],
-            "μ wins per second where g >": "—" if worth is None else worth[1]}  # (g* > 1: nowhere)
+            "μ wins per second where g >": "—" if worth is None else worth[1]}
 
 
-def reuse_worth(runs, base, shares):
-    """w: what a reuse step is worth in fresh steps, and g*: the generation share above which μ would win
-    per second. From the slopes of the reward against optimizer steps (least squares over every seed's
-    generation batches, up to the steps that all these runs reached): μ's steps gain (1 + (μ - 1) w) / μ
-    of what μ = 1's steps gain. Per second μ's steps cost T(μ) = T(1) ((1 - g) + (g + l) / μ), so μ wins
-    where (1 + (μ - 1) w) / μ > (1 - g) + (g + l) / μ, that is g > 1 - w + l / (μ - 1). None where μ = 1's
-    slope is within 2 standard errors of 0: no learning to measure a reuse step against."""
-    mu, last = runs[0]["mu"], min(r["points"][-1]["step"] for r in runs + base)
+def reward_after(cell, s):
+    """The reward of a cell's runs (one per seed) after s optimizer steps: each seed's generation batches
+    joined by straight lines, read at s, mean over seeds."""
+    curves = [zip(*[(p["step"], p["reward"]) for p in generated(r["points"])]) for r in cell]
+    return statistics.mean(float(np.interp(s, *curve)) for curve in curves)
 
-    def slope(cell):  # reward per optimizer step, and its standard error
-        steps, rewards = zip(*[(p["step"], p["reward"]) for r in cell for p in generated(r["points"])
-                               if p["step"] <= last])
-        (b, _), cov = np.polyfit(steps, rewards, 1, cov=True)
-        return b, math.sqrt(cov[0, 0])
 
-    if min(len([p for r in cell for p in generated(r["points"]) if p["step"] <= last]) for cell in (runs, base)) < 4:
-        return None  # too few batches for a slope and its error
-    (b1, error), (b, _) = slope(base), slope(runs)
-    if b1 <= 2 * error:
+def steps_to_reach(cell, reward, last):
+    """The (fractional) optimizer steps after which reward_after first reaches `reward`, or None by `last`."""
+    for s in range(2, last + 1):
+        now, before = reward_after(cell, s), reward_after(cell, s - 1)
+        if now >= reward:
+            return s - (now - reward) / (now - before) if now > before else s
+    return None
+
+
+def where_mu_pays(runs, base, shares, seconds):
+    """(w, g*): what a reuse step was worth in fresh steps, and the generation share g above which μ would
+    win per second. Both from the updates to half of μ = 1's gain by the seconds budget (while the reward
+    still rises, before any plateau): μ = 1 takes S1 (reward_after), μ takes s*, s*/μ of them on fresh
+    batches, so S1 = s*/μ + w (s* - s*/μ). A μ step costs (1 - g) + (g + l)/μ of a μ = 1 step, so μ gets
+    there first where s* ((1 - g) + (g + l)/μ) < S1: g > g* = (1 + l/μ - S1/s*) / (1 - 1/μ). Strings "< w",
+    "> g*" where μ never got there (bounds from its last step); None where μ = 1's gain is within 2
+    standard errors of 0: nothing to measure against."""
+    mu, l, n = runs[0]["mu"], shares[1], len(base)
+    gains = [reward_by(r, "elapsed", seconds) - generated(r["points"])[0]["reward"] for r in base]
+    if n < 2 or statistics.mean(gains) <= 2 * statistics.stdev(gains) / math.sqrt(n):
         return None
-    w = (mu * b / b1 - 1) / (mu - 1)
-    return w, 1 - w + shares[1] / (mu - 1)
+    half = statistics.mean(generated(r["points"])[0]["reward"] + gain / 2 for r, gain in zip(base, gains))
+    last, last_1 = (min(r["points"][-1]["step"] for r in cell) for cell in (runs, base))
+    s1, s_mu = steps_to_reach(base, half, last_1), steps_to_reach(runs, half, last)
+    if s1 is None:
+        return None
+    u1, u_mu = s1 - 1, (s_mu or last) - 1  # the updates behind the batch of step s: s - 1
+    w, g_star = (u1 - u_mu / mu) / (u_mu * (1 - 1 / mu)), (1 + l / mu - u1 / u_mu) / (1 - 1 / mu)
+    return (w, g_star) if s_mu else (f"< {w:.2f}", f"> {g_star:.2f}")
 
 
 def table_note(budget, target):
@@ -632,15 +648,17 @@ def table_note(budget, target):
               "seeds; T(μ)/T(1) measured: μ's s/step ÷ μ = 1's at the same learning rate.",
               "clip fraction: clip_ratio_low + clip_ratio_high on the logged steps that did not generate (reuse "
               "steps), mean over them and the seeds; μ = 1 never clips (its π_old is π_θ itself).",
-              "T(μ)/T(1) predicted: (1 − g) + (g + l)/μ, from the μ = 1 runs at the same learning rate: g, the share "
+              "T(μ)/T(1) predicted: (1 − g) + (g + l)/μ, from the μ = 1 runs at the same learning rate (g, l column): g, the share "
               "of their seconds spent generating (time_generate, plus time_logps: with β > 0 the reference pass, "
               "which μ > 1 also makes once per generation batch), and l, the share of a π_old log-prob pass, for "
               "which their training forward (time_forward) stands in (it keeps activations for the backward, so "
               "l may overstate a π_old pass, which runs without gradients).",
-              "reuse step worth w: the reward a reuse step gains, in steps on fresh samples (1: as much; 0: "
-              "nothing), from the slopes of the reward against optimizer steps of μ and of μ = 1 at the same "
-              "learning rate; —: μ = 1's slope is within 2 standard errors of 0. μ wins per second where g, "
-              "the generation share of a μ = 1 step, exceeds 1 − w + l/(μ − 1) (reuse_worth in train_tldr.py)."]
+              "reuse step worth w and g*: μ = 1 takes S1 updates and μ takes s* to reach half of μ = 1's gain by the "
+              "seconds budget (each seed's batches joined by lines, mean over seeds); s*/μ of μ's steps are on "
+              "fresh batches: S1 = s*/μ + w (s* − s*/μ) (w = 1: a reuse step is worth a fresh one). μ's steps "
+              "cost (1 − g) + (g + l)/μ of μ = 1's, so μ wins per second where g > g* = (1 + l/μ − S1/s*)/(1 − "
+              "1/μ) (≥ 1: nowhere); < and >: μ never got there (bounds). —: μ = 1's gain is within 2 standard errors of 0 "
+              "(where_mu_pays in train_tldr.py)."]
     return "\n".join(f"- {note}" for note in notes)
 
 
@@ -699,6 +717,8 @@ def draw(groups, budget, path, title, target):
         ax.legend(fontsize=8)
     if len(lrs) > 1:
         axes[0].set_xscale("log")
+        axes[0].set_xticks(lrs, [f"{lr:g}" for lr in lrs], minor=False)
+        axes[0].minorticks_off()
         axes[0].set_ylabel(f"reward by {budget['elapsed']:.4g} s (its last third)")
     else:
         axes[0].set_ylabel("mean reward of a generation batch")
