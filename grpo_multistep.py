@@ -297,10 +297,10 @@ class GRPOTrainer:
             loss.backward()
             for k, v in {"loss": loss.detach(), **stats}.items():
                 sums[k] = sums[k] + v                  # tensors: no GPU sync per micro-batch
-        lap(self, "optimizer")                        # (Part II: from here a signal waits for the step's end)
         all_reduce_gradients(self)                    # torchrun: the sum of every rank's gradient
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), args.max_grad_norm or math.inf)
-        metrics = step_metrics(self, sums, grad_norm, batch["num_tokens"])  # its learning rate, before it
+        metrics = step_metrics(self, sums, grad_norm, batch["num_tokens"])  # with the lr it applies
+        lap(self, "optimizer")                        # (Part II: from here a signal waits for the step's end)
         if torch.isfinite(grad_norm):                 # else skip: weights and optimizer state untouched
             self.optimizer.step()
             self.scheduler.step()
@@ -544,10 +544,10 @@ def checkpoint_on_failure(trainer):
         yield
     except BaseException as e:
         trainer.saving += 1  # first: from here on a signal waits for the checkpoint of the finished steps
-        if trainer.step > 0 and trainer.snapshot[0]["step"] == trainer.step:
+        if trainer.step > 0 and trainer.phase != "optimizer":  # an update begun: no step to save whole
             save_checkpoint(trainer)
-        elif trainer.step > 0 and trainer.rank == 0:  # the gather of the snapshot failed
-            warnings.warn(f"step {trainer.step} was not checkpointed: another rank failed during its update")
+        elif trainer.step > 0 and trainer.rank == 0:
+            warnings.warn("an error during a weight update: its step is not checkpointed (earlier ones stay)")
         if trainer.signal and not isinstance(e, (KeyboardInterrupt, SystemExit)):
             raise stop_for(trainer.signal) from e  # a collective that failed as another rank stopped
         raise
@@ -821,7 +821,7 @@ def from_disk_or_hub(cls, name, **kwargs):  # hub unreachable: the local cache o
                  "holds no model of this kind" if local else "it is no local folder, and the hub has none")
         raise ValueError(f"could not load {name!r}: {where} ({str(e).splitlines()[0]})") from e
 
-def hub_reachable(timeout=3.0):  # one HEAD request with the hub library's own session (proxy, certificates)
+def hub_reachable(timeout=3.0):  # one HEAD request with huggingface_hub's client: its proxy, certificates
     if os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes"):
         return False
     with suppress(Exception):  # no answer in time: unreachable (any HTTP status, 404 too, is an answer)

@@ -445,7 +445,7 @@ def test_phase_rows_split_generation_and_reuse_steps():
 
 
 def test_the_gpu_sweep_script_runs_end_to_end_on_the_cpu(tiny, tmp_path):
-    """docs/gpu-sweep/run.sh, the GPU run prepared for a session lent a GPU, on the tiny model and a budget of
+    """docs/gpu-sweep/run.sh, the GPU run prepared for when a GPU is lent, on the tiny model and a budget of
     1 s per run, so that it still works when one is: the sweep's files and the decode figures come back."""
     out = tmp_path / "out"
     env = {**os.environ, "MODEL_DIR": tiny["model"], "BUDGET": "1", "GIT_COMMIT": "abc1234",

@@ -895,6 +895,8 @@ def main(argv=None):
         code = 130
     if not opts.benchmark and RANK0:  # the benchmark prints its table as it goes; under torchrun, rank 0 reports
         report(runs, folder, opts, config)
+    if torch.distributed.is_initialized():  # torchrun: no thread of the process group left to abort the exit
+        torch.distributed.destroy_process_group()
     return code
 
 

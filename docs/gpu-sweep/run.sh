@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The TL;DR sweep on one GPU (μ = 1 and 4, two seeds, every run on the same wall-clock budget), then the
 # decode speed beside the bound of reading the weights once per token. README.md beside this file says
-# how to run it with the device tool; test_gpu_sweep.py runs it on a CPU.
+# how to run it with the device tool; test_train_tldr.py runs it on a CPU.
 #
 #   bash docs/gpu-sweep/run.sh [OUTPUT_FOLDER [MORE_TRAIN_TLDR_FLAGS...]]
 #

@@ -1,4 +1,4 @@
-"""A/B timing of whole versions of the project, side by side in one session.
+"""A/B timing of whole versions of the project, side by side, on one machine at one time.
 
     python docs/performance/ab.py [--steps 4] [--rounds 1] LABEL=FOLDER [LABEL=FOLDER ...]
 
