@@ -801,8 +801,8 @@ def load_policy(model, processing_class, args, device):
                 f"is outside the model's vocabulary of {vocab} tokens: they do not belong together")
     with torch.no_grad():  # per_token_logps computes logits as lm_head(last hidden state): check that
         ids = torch.tensor([[tokenizer.eos_token_id] * 3], device=device)
-        lean = model.get_output_embeddings()(model.get_decoder()(input_ids=ids).last_hidden_state)
-        require(torch.allclose(model(input_ids=ids).logits, lean, rtol=1e-3, atol=1e-3),
+        head_logits = model.get_output_embeddings()(model.get_decoder()(input_ids=ids).last_hidden_state)
+        require(torch.allclose(model(input_ids=ids).logits, head_logits, rtol=1e-3, atol=1e-3),
                 f"{type(model).__name__}'s logits are not lm_head(hidden states) (softcapping or scaling?); "
                 "per_token_logps would compute wrong log-probs for it")
     return model, tokenizer

@@ -165,26 +165,6 @@ def test_time_budget_stops_a_run(tiny, tmp_path):
     assert [r["step"] for r in metrics(tmp_path / "run")] == [1]
 
 
-def test_ctrl_c_keeps_what_was_logged_and_exits_130(tiny, tmp_path, monkeypatch):
-    length_reward = train_tldr.length_reward
-    def interrupted_at_the_second_generation_batch(target_chars):
-        reward, calls = length_reward(target_chars), []
-        def reward_len(completions, **kwargs):
-            calls.append(1)
-            if len(calls) == 2:
-                raise KeyboardInterrupt
-            return reward(completions)
-        return reward_len
-    monkeypatch.setattr(train_tldr, "length_reward", interrupted_at_the_second_generation_batch)
-    assert train_tldr.main(args(tiny, tmp_path / "run", "--max_steps", "3")) == 130
-    assert [r["step"] for r in metrics(tmp_path / "run")] == [1]
-    assert len(table_rows(tmp_path / "run" / "rewards.md")) == 1 and is_png(tmp_path / "run" / "rewards.png")
-    assert os.path.isdir(tmp_path / "run" / "checkpoint-1")  # the core's checkpoint of the last finished step
-    monkeypatch.setattr(train_tldr, "length_reward", length_reward)
-    assert train_tldr.main(args(tiny, tmp_path / "run", "--max_steps", "3", "--resume")) == 0
-    assert [r["step"] for r in metrics(tmp_path / "run")] == [1, 2, 3]  # continued from step 1, same file
-
-
 def test_resume_from_a_folder_that_is_no_checkpoint_is_an_error(tiny, tmp_path):
     with pytest.raises(SystemExit, match="is not a checkpoint"):
         train_tldr.main(args(tiny, tmp_path / "run", "--resume", str(tmp_path)))
@@ -209,6 +189,17 @@ def interrupted_in_run(monkeypatch, mu, generation_batch):
         train_tldr.Trainer.current_mu = run["mu"]
         return train(model, dataset, run, opts, sweep)
     monkeypatch.setattr(train_tldr, "train", tagged)
+
+
+def test_ctrl_c_keeps_what_was_logged_and_exits_130(tiny, tmp_path, monkeypatch):
+    interrupted_in_run(monkeypatch, mu=1, generation_batch=2)
+    assert train_tldr.main(args(tiny, tmp_path / "run", "--max_steps", "3")) == 130
+    assert [r["step"] for r in metrics(tmp_path / "run")] == [1]
+    assert len(table_rows(tmp_path / "run" / "rewards.md")) == 1 and is_png(tmp_path / "run" / "rewards.png")
+    assert os.path.isdir(tmp_path / "run" / "checkpoint-1")  # the core's checkpoint of the last finished step
+    monkeypatch.undo()
+    assert train_tldr.main(args(tiny, tmp_path / "run", "--max_steps", "3", "--resume")) == 0
+    assert [r["step"] for r in metrics(tmp_path / "run")] == [1, 2, 3]  # continued from step 1, same file
 
 
 def without_clocks(points):
