@@ -599,8 +599,8 @@ def sweep_row(mu, lr, runs, base, budget, target):
 
 
 def reward_after(cell, s):
-    """The reward of a cell's runs (one per seed) after s optimizer steps: each seed's generation batches
-    joined by straight lines, read at s, mean over seeds."""
+    """The reward of a cell's runs (one per seed) after s optimizer steps: each run's generation batches
+    joined by straight lines, read at s, mean over the runs."""
     curves = [zip(*[(p["step"], p["reward"]) for p in generated(r["points"])]) for r in cell]
     return statistics.mean(float(np.interp(s, *curve)) for curve in curves)
 
@@ -654,7 +654,7 @@ def table_note(budget, target):
               "which their training forward (time_forward) stands in (it keeps activations for the backward, so "
               "l may overstate a π_old pass, which runs without gradients).",
               "reuse step worth w and g*: μ = 1 takes S1 updates and μ takes s* to reach half of μ = 1's gain by the "
-              "seconds budget (each seed's batches joined by lines, mean over seeds); s*/μ of μ's steps are on "
+              "seconds budget (each run's batches joined by lines, mean over the seeds); s*/μ of μ's steps are on "
               "fresh batches: S1 = s*/μ + w (s* − s*/μ) (w = 1: a reuse step is worth a fresh one). μ's steps "
               "cost (1 − g) + (g + l)/μ of μ = 1's, so μ wins per second where g > g* = (1 + l/μ − S1/s*)/(1 − "
               "1/μ) (≥ 1: nowhere); < and >: μ never got there (bounds). —: μ = 1's gain is within 2 standard errors of 0 "
