@@ -222,7 +222,7 @@ class GRPOTrainer:
     def __init__(self, model, reward_funcs, args=None, train_dataset=None, processing_class=None):
         self.args = args = args if args is not None else GRPOConfig()
         self.rank, self.world_size, self.device = init_distributed()           # torchrun, or one process
-        self.reward_funcs, self.dataset = check_inputs(args, reward_funcs, train_dataset)  # before loading
+        self.reward_funcs, self.dataset = check_inputs(args, reward_funcs), check_dataset(train_dataset)
         self.model, self.tokenizer = load_policy(model, processing_class, args, self.device)      # π_θ
         self.ref_model = None if args.beta == 0 else copy.deepcopy(self.model).eval().requires_grad_(False)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=args.learning_rate,
@@ -477,7 +477,7 @@ def stop_for(signum):  # Ctrl-C: KeyboardInterrupt; SIGTERM (preemption), SIGHUP
 def start_run(trainer, resume_from_checkpoint):  # check again; resume, or start where no run's work is lost
     args, out, path = trainer.args, trainer.args.output_dir, resume_from_checkpoint
     check_config(args)  # fields may have changed since the trainer was made
-    check_inputs(args, trainer.reward_funcs, trainer.dataset)
+    check_inputs(args, trainer.reward_funcs)
     require(args.beta == 0 or trainer.ref_model is not None, "GRPOConfig.beta was 0 when the trainer was "
             "made, so it has no reference model: make a new GRPOTrainer")
     model_dir = trainer.model.config._name_or_path
@@ -696,7 +696,7 @@ def check_config(c):
     for name, ok, rule in checks:
         require(ok, f"GRPOConfig.{name}={getattr(c, name)!r} {rule}")
 
-def check_inputs(args, reward_funcs, dataset):
+def check_inputs(args, reward_funcs):
     per_step = args.per_device_train_batch_size * args.gradient_accumulation_steps
     require(per_step % args.num_generations == 0, "per_device_train_batch_size × gradient_accumulation_"
             f"steps = {per_step} completions per optimizer step (per device) is not divisible by "
@@ -711,7 +711,7 @@ def check_inputs(args, reward_funcs, dataset):
         os.makedirs(args.output_dir, exist_ok=True)
     require(os.path.isdir(args.output_dir) and os.access(args.output_dir, os.W_OK),
             f"output_dir {args.output_dir!r} is not a folder this process can write")
-    return funcs, check_dataset(dataset)
+    return funcs
 
 def check_dataset(dataset):  # a map-style datasets.Dataset, or a list of rows like {"prompt": ...}
     rows = isinstance(dataset, list) and all(isinstance(row, dict) for row in dataset)
@@ -725,7 +725,7 @@ def check_dataset(dataset):  # a map-style datasets.Dataset, or a list of rows l
     require("prompt" in columns, f"train_dataset has no 'prompt' column (columns: {sorted(columns)})")
     taken = sorted(columns & {"prompts", "completions", "completion_ids"})
     require(not taken, f"train_dataset's columns {taken} are named like reward function arguments: rename")
-    prompts = [row["prompt"] for row in dataset] if rows else dataset["prompt"]
+    prompts = [row["prompt"] for row in dataset] if rows else dataset["prompt"][:]  # a list: one read, not N
     for i, p in enumerate(prompts):
         chat = isinstance(p, list) and p and all(isinstance(m, dict) and {"role", "content"} <= set(m)
                                                  for m in p)
