@@ -25,14 +25,22 @@ def read(path):
         return [json.loads(line) for line in f if line.endswith("\n")]
 
 
+def last_attempts(rows):
+    """Each run's rows from its last start (a run cut short is run again from step 1), if it ended."""
+    runs = {}
+    for r in rows:
+        if r["arm"] is not None:
+            key = r["arm"], r["lr"], r["seed"]
+            runs[key] = [r] if r["step"] == 1 else runs.get(key, []) + [r]
+    return {key: run for key, run in runs.items() if run[-1].get("end")}
+
+
 def curves(rows):
     """{(arm, lr): {seed: {step: held-out reward}}} of the runs that ended, each starting at step 0."""
     start = next(r["eval_reward"] for r in rows if r["step"] == 0)
-    ended = {(r["arm"], r["lr"], r["seed"]) for r in rows if r.get("end")}
     out = defaultdict(lambda: defaultdict(lambda: {0: start}))
-    for r in rows:
-        if (r["arm"], r["lr"], r["seed"]) in ended and "eval_reward" in r:
-            out[r["arm"], r["lr"]][r["seed"]][r["step"]] = r["eval_reward"]
+    for (arm, lr, seed), run in last_attempts(rows).items():
+        out[arm, lr][seed].update({r["step"]: r["eval_reward"] for r in run if "eval_reward" in r})
     return out
 
 
@@ -84,10 +92,10 @@ def bootstrap(seeds_by_arm, statistic, rng):
 
 def best_rates(data):
     """Each arm's best learning rate by mean held-out reward at its last step, and whether its grid
-    brackets it (a rate on both sides)."""
-    best = {}
+    brackets it (a rate on both sides). Rates with fewer seeds than the grid's (a pilot) do not compete."""
+    best, full = {}, max(map(len, data.values()))
     for arm in sorted({a for a, _ in data}):
-        lrs = sorted(lr for a, lr in data if a == arm)
+        lrs = sorted(lr for a, lr in data if a == arm and len(data[a, lr]) == full)
         final = {lr: mean_curve(data[arm, lr])[max(mean_curve(data[arm, lr]))] for lr in lrs}
         lr = max(final, key=final.get)
         best[arm] = {"lr": lr, "inside": lrs[0] < lr < lrs[-1], "final": final}
@@ -102,9 +110,8 @@ def fmt(v, lo, hi, digits=1):
 def report(rows, folder):
     rng = np.random.default_rng(0)
     data, clips = curves(rows), defaultdict(list)
-    for r in rows:
-        if r["arm"] and (r["step"] - 1) % cycle(r["arm"])[0]:  # not a generation batch's first step
-            clips[r["arm"], r["lr"]].append(r["clip"])
+    for (arm, lr, _), run in last_attempts(rows).items():
+        clips[arm, lr] += [r["clip"] for r in run if (r["step"] - 1) % cycle(arm)[0]]  # not a batch's first
     best, lines = best_rates(data), [f"Setting: {SETTING}.", ""]
     steps = sorted(mean_curve(data[next(iter(data))]))
     lines += ["Held-out reward by optimizer step, mean over seeds [bootstrap 95 % interval]; off-policy steps' "
@@ -115,7 +122,7 @@ def report(rows, folder):
         seeds = data[arm, lr]
         cells = [fmt(*bootstrap({arm: seeds}, lambda m, k=k: m[arm][k], rng)[:3]) for k in steps]
         clip = f"{np.mean(clips[arm, lr]):.3f}" if clips[arm, lr] else "—"
-        mark = " **best**" if best[arm]["lr"] == lr else ""
+        mark = " **best**" if best[arm]["lr"] == lr else "" if lr in best[arm]["final"] else " (pilot)"
         lines.append(f"| {arm} | {lr:g}{mark} | {len(seeds)} | " + " | ".join(cells) + f" | {clip} |")
     base, n = ("μ=1", best["μ=1"]["lr"]), steps[-1]
     lines += ["", f"Each arm at its best rate against μ = 1 at its best ({base[1]:g}), paired by seed: the "

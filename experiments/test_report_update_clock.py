@@ -78,3 +78,17 @@ def test_the_best_rate_and_whether_the_grid_brackets_it():
     assert (best["μ=1"]["lr"], best["μ=1"]["inside"]) == (2e-5, True)
     assert (best["μ=4"]["lr"], best["μ=4"]["inside"]) == (4e-5, False)
     assert best["μ=4"]["final"][1e-5] == pytest.approx(-19.0)
+
+
+def test_a_run_cut_short_and_run_again_counts_once_with_its_last_attempt():
+    start = [{"arm": None, "lr": None, "seed": None, "step": 0, "eval_reward": -60.0, "end": False}]
+    cut = rows_of("μ=2", 2e-5, 42, {1: -99.0, 2: -99.0}, end=False)
+    again = rows_of("μ=2", 2e-5, 42, {1: -55.0, 2: -50.0})
+    assert r.curves(start + cut + again)["μ=2", 2e-5][42] == {0: -60.0, 1: -55.0, 2: -50.0}
+
+
+def test_a_rate_with_fewer_seeds_than_the_grid_is_shown_but_does_not_compete():
+    data = {("μ=1", 1e-5): seeds(0, 0, 0), ("μ=1", 2e-5): seeds(-5, -5, -5), ("μ=1", 4e-5): seeds(-9, -9, -9),
+            ("μ=1", 5e-6): seeds(30)}  # best by far, but one seed: a pilot
+    best = r.best_rates(data)["μ=1"]
+    assert best["lr"] == 1e-5 and not best["inside"] and 5e-6 not in best["final"]

@@ -74,7 +74,7 @@ def read(path):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--lrs", type=float, nargs="+", default=[5e-6, 1e-5, 2e-5, 4e-5])
+    p.add_argument("--lrs", type=float, nargs="+", default=[1e-5, 2e-5, 4e-5, 8e-5])
     p.add_argument("--seeds", type=int, default=6)
     p.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
     p.add_argument("--max-steps", type=int, default=16)
