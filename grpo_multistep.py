@@ -16,20 +16,18 @@ that of the single-step GRPO loss -exp(logp - logp.detach()) · A.
 
 Part I is the algorithm, in the order of Algorithm 1; Part II, the engineering it calls in one line each.
 Left out on purpose: vLLM and `model.generate` (a plain sampling loop is exactly the distribution that the
-log-probs describe), DeepSpeed and FSDP (a gradient all-reduce serves models that fit one GPU), PEFT, warmup.
+log-probs describe), DeepSpeed and FSDP (a gradient all-reduce serves models that fit one GPU), warmup.
 """
-import copy, fnmatch, functools, itertools, json, math, numbers, os, random, shutil, signal, sys, tempfile
-import threading, time, typing, warnings
+import copy, fnmatch, functools, importlib.util, itertools, json, math, numbers, os, random, shutil, signal
+import sys, tempfile, threading, time, typing, warnings
 from collections import abc, defaultdict
-from contextlib import contextmanager, suppress
+from contextlib import contextmanager, nullcontext, suppress
 from dataclasses import asdict, dataclass, field
 
-import huggingface_hub
-import torch
-import torch.distributed as dist
-import torch.nn.functional as F
+import huggingface_hub, numpy, safetensors.torch, torch
+import torch.distributed as dist, torch.nn.functional as F
 from datasets import Dataset
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, set_seed
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 
 # ======================================== PART I: THE ALGORITHM ========================================
@@ -40,7 +38,9 @@ def arg(default, help):  # a field and its --help text (train_tldr.py makes ever
 @dataclass
 class GRPOConfig:
     """TRL's names. An optimizer step takes per_device_train_batch_size × gradient_accumulation_steps ×
-    world_size completions (that many / G prompts), generated for once every num_iterations (μ) steps."""
+    world_size completions (that many / G prompts). A generation batch holds steps_per_generation micro-
+    batches: S = steps_per_generation / gradient_accumulation_steps optimizer steps' worth, each mini-batch
+    of them used μ = num_iterations times: a generation every μ·S steps."""
     output_dir: str = arg("grpo-output", "Where metrics, checkpoints and the final model go.")
     overwrite_output_dir: bool = arg(False, "Start afresh in an output_dir that holds another run "
                                             "(its checkpoints and metrics.jsonl are deleted first).")
@@ -56,13 +56,18 @@ class GRPOConfig:
     max_prompt_length: int | None = arg(512, "Prompts keep their last this many tokens (None: all).")
     max_completion_length: int = arg(256, "Maximum tokens generated per completion.")
     temperature: float = arg(1.0, "Sampling temperature; log-probs use the same one.")
-    num_iterations: int = arg(1, "μ: optimizer steps per generation batch.")
+    num_iterations: int = arg(1, "μ: optimizer steps on each mini-batch of a generation batch.")
+    steps_per_generation: int | None = arg(None, "Micro-batches per generation batch (None: "
+                                           "gradient_accumulation_steps, one optimizer step's).")
     epsilon: float = arg(0.2, "Lower clipping range: ratio >= 1 - epsilon.")
     epsilon_high: float | None = arg(None, "Upper clipping range: ratio <= 1 + epsilon_high (None: epsilon).")
     beta: float = arg(0.0, "KL coefficient; 0 = no reference model at all.")
-    loss_type: str = arg("grpo", "'grpo' (per-sequence mean), 'dapo' (per-token mean) or 'dr_grpo'.")
+    use_bias_correction_kl: bool = arg(False, "Weigh the KL term by the ratio ρ (TRL 1.16's default: True).")
+    loss_type: str = arg("grpo", "'grpo' (per-sequence mean), 'bnpo' (micro-batch token mean, TRL PR "
+                                 "#2899's), 'dapo' (token mean over the step) or 'dr_grpo'.")
     scale_rewards: str = arg("group", "'group': divide advantages by the group's reward std; 'none': don't.")
     reward_weights: list[float] | None = arg(None, "One weight per reward function (None = all 1).")
+    model_init_kwargs: dict | str | None = arg(None, "from_pretrained's kwargs (or JSON); dtype: float32.")
     bf16: bool = arg(False, "bfloat16 autocast for every model call (fast on GPUs, emulated on most CPUs).")
     gradient_checkpointing: bool = arg(False, "Recompute activations in backward: less memory, more time.")
     logging_steps: int = arg(10, "Log averaged metrics every this many optimizer steps.")
@@ -73,14 +78,19 @@ class GRPOConfig:
     def __post_init__(self):  # strings converted as HfArgumentParser does; types and ranges (Part II)
         check_config(self)
 
+def mini_batches_per_generation(args):  # S: optimizer steps' worth of completions in a generation batch
+    return (args.steps_per_generation or args.gradient_accumulation_steps) // args.gradient_accumulation_steps
+
 # ---- 2. Generation: for each prompt q, sample G completions o_1..o_G ~ π_old(· | q) ------------------
 def tokenize_prompts(tokenizer, prompts, max_prompt_length):
-    """Text, or conversations through the chat template; each cut to its last max_prompt_length tokens
-    and left-padded, so that every completion starts at one column, right after the end of its prompt."""
-    if not isinstance(prompts[0], str):
+    """Text, with the tokenizer's special tokens (BOS) as in TRL, or conversations through the chat template
+    (which writes its own); each cut to its last max_prompt_length tokens and left-padded, so that every
+    completion starts at one column, right after the end of its prompt."""
+    chat = not isinstance(prompts[0], str)
+    if chat:
         prompts = [tokenizer.apply_chat_template(p, tokenize=False, add_generation_prompt=True)
                    for p in prompts]
-    ids = check_prompt_ids([tokenizer(t, add_special_tokens=False)["input_ids"] for t in prompts],
+    ids = check_prompt_ids([tokenizer(t, add_special_tokens=not chat)["input_ids"] for t in prompts],
                            max_prompt_length)
     width = max(len(x) for x in ids)
     input_ids = torch.tensor([[tokenizer.pad_token_id] * (width - len(x)) + x for x in ids])  # (B, P)
@@ -90,10 +100,10 @@ def tokenize_prompts(tokenizer, prompts, max_prompt_length):
 def position_ids(attention_mask):  # positions that count real tokens only: left padding shifts nothing
     return (attention_mask.cumsum(-1) - 1).clamp(min=0)                               # (B, T)
 
-def completion_mask(completion_ids, eos_token_id):
-    """1 up to and including the first EOS, 0 after: by position, not by id, so that the EOS stays
-    trainable when pad_token == eos_token."""
-    is_eos = completion_ids == eos_token_id                                           # (B, C)
+def completion_mask(completion_ids, eos_token_ids):
+    """1 up to and including the first EOS (any of eos_token_ids), 0 after: by position, not by id, so that
+    the EOS stays trainable when pad_token == eos_token."""
+    is_eos = torch.isin(completion_ids, torch.as_tensor(eos_token_ids, device=completion_ids.device))  # (B,C)
     first_eos = torch.where(is_eos.any(1), is_eos.int().argmax(1), is_eos.size(1))    # (B,)
     positions = torch.arange(is_eos.size(1), device=completion_ids.device)            # (C,)
     return (positions[None, :] <= first_eos[:, None]).long()                          # (B, C)
@@ -105,11 +115,13 @@ def sample_token(logits, temperature):  # one token per row from exactly softmax
     return torch.searchsorted(cdf, u, right=True).squeeze(1).clamp(max=cdf.size(1) - 1)
 
 @torch.no_grad()
-def generate_completions(model, tokenizer, prompt_ids, prompt_mask, args):
+def generate_completions(model, tokenizer, prompt_ids, prompt_mask, args, eos_token_ids=None):
     """G completions per prompt, token by token with the KV cache, from softmax(logits / T) alone (no top-k
-    or top-p: section 4's log-probs describe exactly the distribution that sampled). Returns the prompts
-    repeated G times (B·G, P), the completions (B·G, C), padded after their EOS, and their mask."""
+    or top-p: section 4's log-probs describe exactly the distribution that sampled), each ending at its first
+    EOS (any of eos_token_ids; None: the tokenizer's). Returns the prompts repeated G times (B·G, P), the
+    completions (B·G, C), padded after their EOS, and their mask."""
     G, C, eos = args.num_generations, args.max_completion_length, tokenizer.eos_token_id
+    eos = torch.as_tensor(eos if eos_token_ids is None else eos_token_ids, device=prompt_ids.device)
     positions = position_ids(prompt_mask)                                                 # (B, P)
     out = model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=positions, use_cache=True,
                 logits_to_keep=1)
@@ -117,11 +129,11 @@ def generate_completions(model, tokenizer, prompt_ids, prompt_mask, args):
     logits = out.logits[:, -1].repeat_interleave(G, 0)                                    # (n = B·G, V)
     mask, position = prompt_mask.repeat_interleave(G, 0), positions[:, -1:].repeat_interleave(G, 0)
     done, tokens = torch.zeros(len(mask), dtype=torch.bool, device=mask.device), []       # (B·G,)
-    for _ in range(C):
+    for t in range(C):
         token = sample_token(logits, args.temperature).masked_fill(done, tokenizer.pad_token_id)  # (B·G,)
         tokens.append(token)
-        done = done | (token == eos)
-        if done.all():
+        done = done | torch.isin(token, eos)
+        if t % DONE_CHECK[token.device.type] == 0 and done.all():  # a GPU syncs with the host to know
             break
         mask, position = torch.cat([mask, torch.ones_like(mask[:, :1])], 1), position + 1  # (B·G, P+t+1)
         logits = model(input_ids=token[:, None], attention_mask=mask, position_ids=position,
@@ -150,31 +162,25 @@ def group_advantages(rewards, num_generations, scale_rewards="group"):
     return advantages.masked_fill(all_equal, 0.0).view(-1)                    # (B·G,)
 
 # ---- 4. Per-token log-probs: log π(o_t | q, o_<t) of the completion tokens ----------------------------
-def per_token_logps(model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature):
-    """Log-probs (b, C) of the completion tokens, from the logits divided by the sampling temperature (so
-    π_old is exactly the distribution that sampled); assumes logits = lm_head(hidden), GRPOTrainer checks."""
+def plain_per_token_logps(model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature):
+    """log π(o_t | q, o_<t) by its definition: one forward pass over prompt and completion; the state at t
+    predicts token t+1, so log_softmax(lm_head(h) / T) at the states before each completion token, gathered
+    at that token, with T the sampling temperature (π_old is exactly the distribution that sampled). The
+    trainer calls per_token_logps, the same numbers faster (Part II; tested equal, values and gradients)."""
     mask = torch.cat([prompt_mask, completion_mask], 1)                                   # (b, P+C)
-    if model.is_activation_checkpointing:  # one pass: recomputed layers cannot share a prompt's KV cache
-        hidden = model.get_decoder()(input_ids=torch.cat([prompt_ids, completion_ids], 1),
-                                     attention_mask=mask, position_ids=position_ids(mask)).last_hidden_state
-        hidden = hidden[:, prompt_ids.size(1) - 1:-1]                                     # (b, C, H)
-    else:  # the same states, with each group's prompt run once for its G completions (Part II)
-        hidden = shared_prompt_hidden_states(model, prompt_ids, prompt_mask, completion_ids, mask)
-    # The state at t predicts token t+1: log π(y) = log_softmax(lm_head(h) / T)[y], CHUNK tokens at a time
-    # and recomputed in backward (Part II): the (b, C, V) logits, the largest tensor, never exist at once.
-    head = model.get_output_embeddings()
-    pairs = zip(hidden.flatten(0, 1).split(CHUNK), completion_ids.flatten().split(CHUNK))  # (n, H), (n,)
-    logps = [TokenLogps.apply(h, y, temperature, head.weight, head.bias) for h, y in pairs]  # log π(y)
-    return torch.cat(logps).view_as(completion_ids)                                       # (b, C)
+    hidden = model.get_decoder()(input_ids=torch.cat([prompt_ids, completion_ids], 1), attention_mask=mask,
+                                 position_ids=position_ids(mask)).last_hidden_state      # (b, P+C, H)
+    logits = model.get_output_embeddings()(hidden[:, prompt_ids.size(1) - 1:-1]).float()  # (b, C, V)
+    return (logits / temperature).log_softmax(-1).gather(-1, completion_ids[..., None]).squeeze(-1)  # (b, C)
 
 def micro_batches(batch, size):
-    """Micro-batches of `size` completions (gradient accumulation), cut to their longest prompt and
-    completion (padding costs compute, changes nothing); the 0-dim normalizers (whole step) pass whole."""
+    """Micro-batches of `size` completions (gradient accumulation); the 0-dim normalizers pass whole."""
     for i in range(0, len(batch["completion_mask"]), size):
         mb = {k: v[i:i + size] if v.dim() else v for k, v in batch.items()}
+        # Cut the columns that no row of it uses: padding costs compute and changes nothing (it is masked).
         c, p = int(mb["completion_mask"].sum(1).max()), int(mb["prompt_mask"].sum(1).max())
-        yield {k: v if v.dim() < 2 else v[:, v.size(1) - p:] if k.startswith("prompt") else v[:, :c]
-               for k, v in mb.items()}
+        cut = lambda k, v: v[:, v.size(1) - p:] if k.startswith("prompt") else v[:, :c]  # prompts: left pad
+        yield {k: cut(k, v) if v.dim() == 2 else v for k, v in mb.items()}
 
 @torch.no_grad()
 def cached_logps(trainer, model, batch):
@@ -183,6 +189,7 @@ def cached_logps(trainer, model, batch):
         logps = [per_token_logps(model, mb["prompt_ids"], mb["prompt_mask"], mb["completion_ids"],
                                  mb["completion_mask"], trainer.args.temperature)              # (b, c) each
                  for mb in micro_batches(batch, trainer.args.per_device_train_batch_size)]
+    # Each micro-batch was cut to its longest completion: zeros pad it back to the batch's width (masked).
     return torch.cat([F.pad(x, (0, batch["completion_ids"].size(1) - x.size(1))) for x in logps])  # (N, C)
 
 # ---- 5. The clipped objective, for one micro-batch ---------------------------------------------------
@@ -199,9 +206,13 @@ def grpo_loss(logps, old_logps, ref_logps, advantages, mask, args, num_seqs, num
     # trust region: the KL term and the other tokens, through shared weights, still move it).
     if args.beta > 0:                                                      # + β · KL_k3(π_θ ‖ π_ref)
         per_token_kl = torch.exp(ref_logps - logps) - (ref_logps - logps) - 1  # k3 estimator, >= 0
+        if args.use_bias_correction_kl:                                    # KL's estimate under π_θ
+            per_token_kl = per_token_kl * coef_1
         per_token_loss = per_token_loss + args.beta * per_token_kl
     if args.loss_type == "grpo":    # paper: mean over each sequence's tokens, then over sequences
         loss = ((per_token_loss * mask).sum(1) / mask.sum(1).clamp(min=1)).sum() / num_seqs
+    elif args.loss_type == "bnpo":  # TRL PR #2899's: each micro-batch's token mean, × its share of the step
+        loss = (per_token_loss * mask).sum() / mask.sum().clamp(min=1) * len(mask) / num_seqs
     elif args.loss_type == "dapo":  # DAPO: mean over all tokens of the step (long answers weigh more)
         loss = (per_token_loss * mask).sum() / num_tokens
     else:                           # Dr. GRPO: constant normalizer, no length bias at all
@@ -219,41 +230,47 @@ class GRPOTrainer:
     a causal LM. reward_funcs: f(prompts, completions, **kwargs) -> a number (or None) per completion, or a
     list of them. train_dataset: a Dataset with a "prompt" column; the others reach the reward functions."""
 
-    def __init__(self, model, reward_funcs, args=None, train_dataset=None, processing_class=None):
+    def __init__(self, model, reward_funcs, args=None, train_dataset=None, processing_class=None,
+                 peft_config=None):  # a peft.LoraConfig, or a peft.PeftModel as model: the adapter trains
         self.args = args = args if args is not None else GRPOConfig()
         self.rank, self.world_size, self.device = init_distributed()           # torchrun, or one process
         self.reward_funcs, self.dataset = check_inputs(args, reward_funcs), check_dataset(train_dataset)
-        self.model, self.tokenizer = load_policy(model, processing_class, args, self.device)      # π_θ
-        self.ref_model = None if args.beta == 0 else copy.deepcopy(self.model).eval().requires_grad_(False)
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=args.learning_rate,
-                                           weight_decay=args.weight_decay, fused=True)  # one kernel
+        self.model, self.tokenizer = load_policy(model, processing_class, peft_config, args, self.device)
+        self.eos_token_ids = eos_token_ids(self.model, self.tokenizer)  # the tokenizer's and the model's
+        self.ref_model = None if args.beta == 0 else reference_model(self.model)  # π_ref: frozen (Part II)
+        self.optimizer = torch.optim.AdamW([p for p in self.model.parameters() if p.requires_grad],
+                                           lr=args.learning_rate, weight_decay=args.weight_decay, fused=True)
         new_run(self)  # step 0, the schedule, counters, should_stop (a subclass's log() may set it) (Part II)
 
     def train(self, resume_from_checkpoint=None):
-        """Algorithm 1: every μ optimizer steps a new generation batch, then μ optimizer steps on it."""
+        """Algorithm 1: a generation batch of S mini-batches, then μ passes over them, an optimizer step per
+        mini-batch: μ·S steps per generation. TRL's two readings of "multi-step": μ > 1 (TRL PR #2899)
+        reuses each mini-batch; S > 1 (steps_per_generation) uses each once, later ones stale by updates."""
         start_run(self, resume_from_checkpoint)  # check the config; resume, or seed and claim output_dir
-        args, mu = self.args, self.args.num_iterations
+        args, S = self.args, mini_batches_per_generation(self.args)
         with checkpoint_on_failure(self):        # a signal or an error: checkpoint the last finished step
             while self.step < args.max_steps and not self.should_stop:
                 metrics = {}
-                if self.step % mu == 0:                                  # a new generation batch
-                    self.batch, metrics = self.generate_and_score(self.step // mu)
-                metrics.update(self.optimizer_step(self.batch))           # one of its μ optimizer steps
+                if self.step % (args.num_iterations * S) == 0:         # a new generation batch
+                    self.batch, metrics = self.generate_and_score(self.step // (args.num_iterations * S))
+                minibatch = list(micro_batches(self.batch, len(self.batch["advantages"]) // S))[self.step % S]
+                metrics.update(self.optimizer_step(minibatch))            # mini-batch step % S, once more
                 self.step += 1
                 end_of_step(self, metrics)               # log, checkpoint, stop on trouble (Part II)
             save_checkpoint(self, final=True)            # and the trained model, into output_dir (Part II)
         return self
 
     def generate_and_score(self, k):
-        """Sections 2-4 for generation batch k: generate, score, cache what its μ optimizer steps need."""
-        args, G = self.args, self.args.num_generations
+        """Sections 2-4 for generation batch k: generate, score, cache what its μ·S optimizer steps need."""
+        args, G, S = self.args, self.args.num_generations, mini_batches_per_generation(self.args)
         rows = self.dataset.select(prompt_rows(self, k)).to_dict()                  # {column: [values]}
         prompts = rows.pop("prompt")
         prompt_ids, prompt_mask = tokenize_prompts(self.tokenizer, prompts, args.max_prompt_length)
         lap(self, "generate")
         with autocast(self):
             prompt_ids, prompt_mask, completion_ids, mask = generate_completions(
-                self.model, self.tokenizer, prompt_ids.to(self.device), prompt_mask.to(self.device), args)
+                self.model, self.tokenizer, prompt_ids.to(self.device), prompt_mask.to(self.device), args,
+                self.eos_token_ids)
         lap(self, None)
         # 3. The reward functions see text: each prompt, repeated G times, beside its completions.
         ids = [row[:n] for row, n in zip(completion_ids.tolist(), mask.sum(1).tolist())]  # to the first EOS
@@ -268,38 +285,40 @@ class GRPOTrainer:
         advantages = group_advantages(rewards, G, args.scale_rewards).to(self.device)      # (N,)
         batch = {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "completion_ids": completion_ids,
                  "completion_mask": mask, "advantages": advantages,
-                 # the loss's normalizers span the whole optimizer step: every micro-batch, every rank
-                 "num_seqs": all_reduce(self, torch.tensor(float(len(mask)), device=self.device)),
-                 "num_tokens": all_reduce(self, mask.sum().float())}
-        # 4. Cached log-probs, once per generation batch: π_old only when μ > 1 (with μ = 1 the training
-        # pass's own log-probs, detached, are π_old's), π_ref only when β > 0.
+                 # the loss's normalizers: one optimizer step's share of the generation batch (every micro-
+                 # batch, every rank); num_tokens: the generation batch's mean per step, as TRL's dapo
+                 "num_seqs": all_reduce(self, torch.tensor(float(len(mask)), device=self.device)) / S,
+                 "num_tokens": all_reduce(self, mask.sum().float()) / S}
+        # 4. Cached log-probs, once per generation batch: π_old only where a step is not the batch's first
+        # (with μ·S = 1 the training pass's own log-probs, detached, are π_old's), π_ref only when β > 0.
         lap(self, "logps")
-        if args.num_iterations > 1:
+        if args.num_iterations * S > 1:
             batch["old_logps"] = cached_logps(self, self.model, batch)     # (N, C)
-        if args.beta > 0:
-            batch["ref_logps"] = cached_logps(self, self.ref_model, batch)  # (N, C)
+        if args.beta > 0:  # a PeftModel is its own π_ref, its adapter disabled: no copy of the weights
+            with self.ref_model.disable_adapter() if is_peft(self.ref_model) else nullcontext():
+                batch["ref_logps"] = cached_logps(self, self.ref_model, batch)  # (N, C)
         lap(self, None)
         self.samples = list(zip(repeat(prompts), texts, rewards.tolist()))
         return batch, batch_metrics(self, rewards_per_func, rewards, mask)
 
     def optimizer_step(self, batch):
-        """One optimizer step on the cached generation batch: forward, clipped loss, backward, AdamW."""
+        """An optimizer step on a generation batch's mini-batch: forward, clipped loss, backward, AdamW."""
         args, sums = self.args, defaultdict(float)
         for mb in micro_batches(batch, args.per_device_train_batch_size):         # gradient accumulation
             lap(self, "forward")
             with autocast(self):
                 logps = per_token_logps(self.model, mb["prompt_ids"], mb["prompt_mask"], mb["completion_ids"],
                                         mb["completion_mask"], args.temperature)                # (b, C)
-            old_logps = mb["old_logps"] if args.num_iterations > 1 else logps.detach()  # π_old
+            old_logps = mb["old_logps"] if "old_logps" in mb else logps.detach()  # π_old
             loss, stats = grpo_loss(logps, old_logps, mb.get("ref_logps"), mb["advantages"],
                                     mb["completion_mask"], args, batch["num_seqs"], batch["num_tokens"])
             lap(self, "backward")
             loss.backward()
-            for k, v in {"loss": loss.detach(), **stats}.items():
+            for k, v in {"loss": loss.detach(), "tokens": mb["completion_mask"].sum(), **stats}.items():
                 sums[k] = sums[k] + v                  # tensors: no GPU sync per micro-batch
         all_reduce_gradients(self)                    # torchrun: the sum of every rank's gradient
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), args.max_grad_norm or math.inf)
-        metrics = step_metrics(self, sums, grad_norm, batch["num_tokens"])  # with the lr it applies
+        metrics = step_metrics(self, sums, grad_norm)  # with the lr it applies
         lap(self, "optimizer")                        # (Part II: from here a signal waits for the step's end)
         if torch.isfinite(grad_norm):                 # else skip: weights and optimizer state untouched
             self.optimizer.step()
@@ -311,6 +330,20 @@ class GRPOTrainer:
         write_metrics(self, metrics)  # rank 0 prints a line and appends it to output_dir/metrics.jsonl
 
 # ======================================= PART II: THE ENGINEERING =======================================
+# plain_per_token_logps, fast (tested equal): prompt sharing, a chunked LM head (no (b, C, V) logits at once)
+def per_token_logps(model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature):
+    mask = torch.cat([prompt_mask, completion_mask], 1)                                   # (b, P+C)
+    if model.is_activation_checkpointing:  # one pass: recomputed layers cannot share a prompt's KV cache
+        hidden = model.get_decoder()(input_ids=torch.cat([prompt_ids, completion_ids], 1),
+                                     attention_mask=mask, position_ids=position_ids(mask)).last_hidden_state
+        hidden = hidden[:, prompt_ids.size(1) - 1:-1]                                     # (b, C, H)
+    else:  # the same states, with each group's prompt run once for its G completions (below)
+        hidden = shared_prompt_hidden_states(model, prompt_ids, prompt_mask, completion_ids, mask)
+    head = model.get_output_embeddings()  # logits = lm_head(hidden), as load_policy checks
+    pairs = zip(hidden.flatten(0, 1).split(CHUNK), completion_ids.flatten().split(CHUNK))  # (n, H), (n,)
+    logps = [TokenLogps.apply(h, y, temperature, head.weight, head.bias) for h, y in pairs]  # log π(y)
+    return torch.cat(logps).view_as(completion_ids)                                       # (b, C)
+
 # Prompt sharing: a group's G completions attend to one pass over their prompt (KV cache, with gradients):
 # B·P + B·G·C tokens instead of B·G·(P + C), 44 % fewer at P = C = 64, G = 8.
 def shared_prompt_hidden_states(model, prompt_ids, prompt_mask, completion_ids, mask):
@@ -326,10 +359,10 @@ def shared_prompt_hidden_states(model, prompt_ids, prompt_mask, completion_ids, 
     # The prompt's last state predicts completion token 0; completion token t's state predicts t+1.
     return torch.cat([prompt.last_hidden_state[prompt_of, -1:], completion[:, :-1]], 1)    # (b, C, H)
 
-# The LM head, CHUNK tokens at a time: log π(y) = z_y - logsumexp(z), z = (h Wᵀ + b) / T. Forward keeps h
-# and logsumexp(z), never the (n, V) logits; backward computes them again and turns them, in place, into
-# onehot(y) - softmax(z). Against a checkpointed logsumexp/gather: 0.27 GiB less peak RSS, 5 % less time.
+# The LM head, CHUNK tokens at a time: log π(y) = z_y - logsumexp(z), z = (h Wᵀ + b) / T; forward keeps h,
+# logsumexp(z); backward redoes z in place into onehot(y) - softmax(z): vs checkpointing, -0.27 GiB, -5 % time
 CHUNK = 256  # 256 × 49152 logits: 50 MB for SmolLM2
+DONE_CHECK = defaultdict(lambda: 8, cpu=1)  # decode steps between "all ended?" checks: GPU syncs; CPU: free
 
 class TokenLogps(torch.autograd.Function):
     @staticmethod
@@ -353,10 +386,11 @@ class TokenLogps(torch.autograd.Function):
         return (grad_logits @ weight).to(hidden.dtype), None, None, grad_weight, grad_bias
 
 def prompt_rows(trainer, k):  # of generation batch k: a function of k alone, so a resume picks the same ones
-    args, n = trainer.args, len(trainer.dataset)
-    per_rank = args.per_device_train_batch_size * args.gradient_accumulation_steps // args.num_generations
-    first = (k * trainer.world_size + trainer.rank) * per_rank
-    return [epoch_order(n, args.seed + i // n)[i % n] for i in range(first, first + per_rank)]
+    args, n, S = trainer.args, len(trainer.dataset), mini_batches_per_generation(trainer.args)
+    p = args.per_device_train_batch_size * args.gradient_accumulation_steps // args.num_generations  # prompts
+    # This rank's share of each of the batch's S optimizer steps: any number of ranks make the same steps.
+    firsts = [((k * S + j) * trainer.world_size + trainer.rank) * p for j in range(S)]
+    return [epoch_order(n, args.seed + i // n)[i % n] for first in firsts for i in range(first, first + p)]
 
 @functools.lru_cache(maxsize=2)
 def epoch_order(n, seed):  # one seeded permutation of the rows per epoch, the same on every rank
@@ -374,15 +408,13 @@ def lap(trainer, phase):  # end the running phase, start `phase` (None: between 
 def autocast(trainer):  # bf16: every model call under bfloat16 autocast; the loss and AdamW stay float32
     return torch.autocast(trainer.device.type, dtype=torch.bfloat16, enabled=trainer.args.bf16)
 
-# torchrun: every rank runs this program on its own prompts. Each rank's loss is divided by the whole
-# step's normalizers, so the sum of the ranks' gradients is the step's gradient: DDP's job, whose hooks
-# would miss the LM head that per_token_logps calls apart from the model's forward.
+# torchrun: each rank runs this program on its own prompts, its loss divided by the whole step's normalizers:
+# the ranks' gradients sum to the step's (DDP's job, whose hooks would miss per_token_logps's LM head call).
 def init_distributed():
     local_rank, cuda = int(os.environ.get("LOCAL_RANK", 0)), torch.cuda.is_available()
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ and not dist.is_initialized():
-        require(not cuda or local_rank < torch.cuda.device_count(),  # before CUDA's "invalid device ordinal"
-                f"LOCAL_RANK={local_rank} but {torch.cuda.device_count()} GPUs are visible: run torchrun "
-                "with --nproc_per_node at most the number of GPUs")
+        require(not cuda or local_rank < torch.cuda.device_count(), f"LOCAL_RANK={local_rank} but "
+                f"{torch.cuda.device_count()} GPUs are visible: run torchrun with --nproc_per_node <= that")
         if cuda:
             torch.cuda.set_device(local_rank)  # before any collective: NCCL uses the current device
         dist.init_process_group("nccl" if cuda else "gloo")
@@ -420,10 +452,9 @@ def batch_metrics(trainer, rewards_per_func, rewards, mask):  # means over ranks
     means = all_reduce(trainer, torch.stack([v.float().to(trainer.device) for v in m.values()]))
     return dict(zip(m, (means / trainer.world_size).tolist()))
 
-def step_metrics(trainer, sums, grad_norm, num_tokens):  # sums over micro-batches and ranks
-    totals = all_reduce(trainer, torch.stack([torch.as_tensor(v, device=trainer.device).float()
-                                              for v in sums.values()]))
-    s, n, finite = dict(zip(sums, totals.tolist())), float(num_tokens), bool(grad_norm.isfinite())
+def step_metrics(trainer, sums, grad_norm):  # sums over micro-batches and ranks
+    s = dict(zip(sums, all_reduce(trainer, torch.stack([v.float() for v in sums.values()])).tolist()))
+    n, finite = s["tokens"], bool(grad_norm.isfinite())
     trainer.nonfinite_in_a_row = 0 if finite else trainer.nonfinite_in_a_row + 1
     if not finite:
         warnings.warn(f"step {trainer.step + 1}: non-finite loss or gradient norm ({float(grad_norm)}); step "
@@ -437,8 +468,7 @@ def end_of_step(trainer, metrics):  # log every logging_steps, checkpoint every 
     lap(trainer, None)  # the update is over: from here on a signal stops the run at once
     metrics.update({f"time_{k}": trainer.seconds.pop(k, 0.0) for k in PHASES})
     require(trainer.nonfinite_in_a_row < 3, f"training stopped at step {trainer.step}: 3 optimizer steps "
-            "in a row had a non-finite loss or gradient norm (check the rewards, lower the learning rate, "
-            "turn bf16 off)", RuntimeError)
+            "in a row had a non-finite loss or gradient norm (check the rewards, the lr, bf16)", RuntimeError)
     if "reward_std" in metrics:  # no signal left to learn from: all rewards of each group alike
         trainer.flat_in_a_row = trainer.flat_in_a_row + 1 if metrics["reward_std"] == 0 else 0
         if trainer.flat_in_a_row == 3:
@@ -467,10 +497,8 @@ def write_metrics(trainer, metrics):
             prompt = prompt if isinstance(prompt, str) else prompt[-1]["content"]  # a chat's last turn
             print(f"  [reward {reward:+.3f}] {prompt[-60:]!r} -> {completion[:100]!r}")
 
-# Checkpoints: output_dir/checkpoint-<step>, written atomically, loaded without running code, resumed
-# bit-identically on CPU. Rank 0 holds every rank's part of the last finished step (its snapshot): alone, at
-# any moment, it checkpoints that step on Ctrl-C, SIGTERM or SIGHUP (exit status 128 + the signal) or an
-# error. A signal abandons the running step unless weights or files are being written: seconds, not a step.
+# Checkpoints (atomic, loaded without running code, resumed bit-identically on CPU): rank 0 holds every rank's
+# state of the last finished step (its snapshot) and alone saves it on Ctrl-C, SIGTERM, SIGHUP or an error.
 def stop_for(signum):  # Ctrl-C: KeyboardInterrupt; SIGTERM (preemption), SIGHUP (ssh lost): exit 128 + signum
     return KeyboardInterrupt() if signum == signal.SIGINT else SystemExit(128 + signum)
 
@@ -478,8 +506,8 @@ def start_run(trainer, resume_from_checkpoint):  # check again; resume, or start
     args, out, path = trainer.args, trainer.args.output_dir, resume_from_checkpoint
     check_config(args)  # fields may have changed since the trainer was made
     check_inputs(args, trainer.reward_funcs)
-    require(args.beta == 0 or trainer.ref_model is not None, "GRPOConfig.beta was 0 when the trainer was "
-            "made, so it has no reference model: make a new GRPOTrainer")
+    check_trainable(trainer.model)  # float32 still (trainer.model.to(...) since?): refused before AdamW fails
+    require(args.beta == 0 or trainer.ref_model is not None, "beta was 0 at construction: no reference model")
     model_dir = trainer.model.config._name_or_path
     require(not (os.path.isdir(model_dir) and os.path.samefile(model_dir, out)), f"output_dir {out!r} is the "
             "model's own folder, which the run would overwrite: choose another output_dir")
@@ -502,7 +530,8 @@ def start_run(trainer, resume_from_checkpoint):  # check again; resume, or start
 
 def new_run(trainer):  # step 0, seeded; no counter, clock or gradient of an earlier train() (weights stay)
     trainer.step, trainer.batch, trainer.samples = 0, None, []  # batch: a μ cycle's cached generation batch
-    set_seed(trainer.args.seed + trainer.rank)  # the same prompts on every rank (prompt_rows), other samples
+    for seed in (random.seed, numpy.random.seed, torch.manual_seed):  # transformers' set_seed imports peft
+        seed(trainer.args.seed + trainer.rank)  # the same prompts on every rank (prompt_rows), other samples
     trainer.optimizer.zero_grad(set_to_none=True)
     trainer.scheduler, trainer.nonfinite_in_a_row, trainer.flat_in_a_row = lr_schedule(trainer), 0, 0
     trainer.phase, trainer.seconds, trainer.window = None, defaultdict(float), defaultdict(list)
@@ -517,10 +546,9 @@ def lr_schedule(trainer, step=0):  # AdamW's learning rate from `step` on: linea
     return torch.optim.lr_scheduler.LambdaLR(trainer.optimizer, decay, last_epoch=step - 1)
 
 def gather_snapshot(trainer):  # each rank's RNG states, samples, elapsed and, inside a μ cycle, batch (CPU)
-    inside_a_cycle = trainer.step % trainer.args.num_iterations
+    inside_a_cycle = trainer.step % (trainer.args.num_iterations * mini_batches_per_generation(trainer.args))
     batch = {k: v.cpu() for k, v in trainer.batch.items()} if inside_a_cycle else None
-    rng = {"python": random.getstate(), "torch": torch.get_rng_state(),
-           "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+    rng = dict(python=random.getstate(), torch=torch.get_rng_state(), cuda=torch.cuda.get_rng_state_all())
     this_rank = {"step": trainer.step, "rng": rng, "samples": trainer.samples, "batch": batch,
                  "elapsed": time.perf_counter() - trainer.start_time}
     ranks = [this_rank] * trainer.world_size  # on rank 0, every rank's; elsewhere its own
@@ -568,8 +596,7 @@ def save_checkpoint(trainer, final=False):  # rank 0, from the last finished ste
                         "ranks": trainer.snapshot, "nonfinite_in_a_row": trainer.nonfinite_in_a_row},
                        f"{folder}.tmp/trainer_state.pt")
             os.replace(folder + ".tmp", folder)  # atomic: a checkpoint folder is complete or absent
-            keep = args.save_total_limit  # (None: all)
-            for old in list_checkpoints(args.output_dir)[:-keep] if keep else []:
+            for old in list_checkpoints(args.output_dir)[:-(args.save_total_limit or 0)]:  # None: keep all
                 shutil.rmtree(old)
             trainer.saved_step = step
         if final and trainer.rank == 0:  # the model, for from_pretrained(output_dir)
@@ -581,7 +608,7 @@ def save_checkpoint(trainer, final=False):  # rank 0, from the last finished ste
         raise stop_for(trainer.signal)
 
 def load_checkpoint(trainer, path):
-    shape = ("num_iterations", "num_generations", "per_device_train_batch_size",
+    shape = ("num_iterations", "steps_per_generation", "num_generations", "per_device_train_batch_size",
              "gradient_accumulation_steps", "world_size")  # what its batch, prompts and RNG depend on
     cached = ("temperature", "beta", "scale_rewards", "reward_weights")  # what its cached batch was made with
     args, found = trainer.args, list_checkpoints(trainer.args.output_dir) if path is True else [path]
@@ -590,28 +617,29 @@ def load_checkpoint(trainer, path):
     require(os.path.isfile(file), f"resume_from_checkpoint={path!r} is not a checkpoint: "
             + ("no trainer_state.pt in it" if os.path.isdir(path) else "no such folder"))
     try:  # tensors and plain Python values only: a checkpoint from elsewhere cannot run code
-        state = torch.load(file, map_location=trainer.device, weights_only=True)
-        file = os.path.join(path, "model.safetensors")
-        weights = AutoModelForCausalLM.from_pretrained(path, dtype=trainer.model.dtype).state_dict()
+        state, peft = torch.load(file, map_location=trainer.device, weights_only=True), is_peft(trainer.model)
+        file = os.path.join(path, "adapter_model.safetensors" if peft else "model.safetensors")
+        weights = (safetensors.torch.load_file(file, device=str(trainer.device)) if peft
+                   else AutoModelForCausalLM.from_pretrained(path, dtype=trainer.model.dtype).state_dict())
     except Exception as e:
         raise ValueError(f"{file} holds objects other than tensors and plain values (it could run code)"
                          if "Weights only load failed" in str(e) else f"{file} is corrupted ({e})") from e
     saved = {**state["config"], "world_size": state["world_size"]}
     current = {**asdict(args), "world_size": trainer.world_size}
-    diff = {k: (saved[k], current[k]) for k in shape if saved[k] != current[k]}
+    diff = {k: (saved.get(k), current[k]) for k in shape if saved.get(k) != current[k]}  # .get: older ones
     require(not diff, f"checkpoint {path!r} was written with a different batch shape (then, now): {diff}")
-    this_rank = state["ranks"][trainer.rank]
-    remade = [k for k in cached if saved[k] != current[k]]
+    this_rank, remade = state["ranks"][trainer.rank], [k for k in cached if saved[k] != current[k]]
     require(not remade or this_rank["batch"] is None, f"checkpoint {path!r} is inside a μ cycle whose "
             f"cached batch was made with other {remade}: resume with its values, or from a cycle boundary")
     changed = [f"{k} {v!r} -> {current.get(k)!r}" for k, v in saved.items()
                if v != current.get(k) and k not in ("output_dir", "overwrite_output_dir")]
     if changed:
         warnings.warn(f"resuming {path!r} with another config; the new values apply: {', '.join(changed)}")
-    if state["step"] >= args.max_steps:
-        warnings.warn(f"checkpoint {path!r} is at step {state['step']} and max_steps={args.max_steps}: "
-                      "nothing is left to train; the final model is saved again")
-    trainer.model.load_state_dict(weights)
+    if state["step"] >= args.max_steps:  # (the final model is saved again)
+        warnings.warn(f"checkpoint {path!r} at step {state['step']} >= max_steps: nothing is left to train")
+    load = sys.modules["peft"].set_peft_model_state_dict if peft else type(trainer.model).load_state_dict
+    loaded = load(trainer.model, weights)  # an adapter: with peft's own loading (its keys name no adapter)
+    require(not loaded.unexpected_keys, f"{file} holds weights the model lacks: {loaded.unexpected_keys[:1]}")
     trainer.optimizer.load_state_dict(state["optimizer"])
     if trainer.rank == 0:  # once the checkpoint has loaded
         set_aside_after(trainer, state["step"])
@@ -619,8 +647,7 @@ def load_checkpoint(trainer, path):
     trainer.batch, trainer.samples = this_rank["batch"], this_rank["samples"]
     random.setstate(this_rank["rng"]["python"])
     torch.set_rng_state(this_rank["rng"]["torch"].cpu())
-    if this_rank["rng"]["cuda"] is not None:
-        torch.cuda.set_rng_state_all([s.cpu() for s in this_rank["rng"]["cuda"]])
+    torch.cuda.set_rng_state_all([s.cpu() for s in this_rank["rng"]["cuda"] or []])  # [] on CPUs, None: older
     trainer.scheduler = lr_schedule(trainer, state["lr_step"])
     trainer.start_time -= this_rank.get("elapsed", 0.0)  # the clock goes on (earlier versions: not saved)
 
@@ -644,8 +671,8 @@ def set_aside_after(trainer, step):  # what output_dir's run logged after `step`
         os.replace(metrics + ".tmp", metrics)
 
 def final_model_files(out):  # what save_pretrained wrote into output_dir at the end of a run
-    names = ("config.json", "generation_config.json", "model*.safetensors*", "tokenizer*", "vocab.json",
-             "merges.txt", "special_tokens_map.json", "added_tokens.json", "chat_template.*")
+    names = ("config.json generation_config.json model*.safetensors* adapter_* tokenizer* vocab.json "
+             "merges.txt special_tokens_map.json added_tokens.json chat_template.*").split()  # adapter: peft
     return [os.path.join(out, n) for n in os.listdir(out) if any(fnmatch.fnmatch(n, p) for p in names)]
 
 def list_checkpoints(output_dir):  # the complete ones, oldest first (not checkpoint-<step>.tmp)
@@ -653,8 +680,7 @@ def list_checkpoints(output_dir):  # the complete ones, oldest first (not checkp
     steps = [int(n[11:]) for n in names if n.startswith("checkpoint-") and n[11:].isdigit()]
     return [os.path.join(output_dir, f"checkpoint-{s}") for s in sorted(steps)]
 
-# Input checks: every bad input fails at start, or as soon as it shows, with a message that names it.
-def require(ok, message, error=ValueError):
+def require(ok, message, error=ValueError):  # every bad input fails at start or as soon as it shows, named
     if not ok:
         raise error(message)
 
@@ -664,49 +690,48 @@ def check_config(c):
     for name, hint in typing.get_type_hints(GRPOConfig).items():
         value, kinds = getattr(c, name), typing.get_args(hint) or (hint,)
         kind, optional = typing.get_origin(kinds[0]) or kinds[0], type(None) in kinds
-        if isinstance(value, str) and kind in (int, float, bool):  # from a command line or YAML ("1e-5")
-            words = {"true": True, "false": False, "none": None}
-            if value.lower() in words:
-                value = words[value.lower()]
-            elif kind is not bool:
-                with suppress(ValueError):  # else it stays a string, refused just below
-                    value = kind(value)
+        words = {"true": True, "false": False, "none": None}  # from a command line or YAML ("1e-5")
+        if isinstance(value, str) and kind in (int, float, bool, dict) and value.lower() in words:
+            value = words[value.lower()]
+        elif isinstance(value, str) and kind in (int, float, dict):
+            with suppress(ValueError):  # else it stays a string, refused just below
+                value = json.loads(value) if kind is dict else kind(value)
         value = float(value) if kind is float and type(value) is int else value
-        if not (value is None and optional or isinstance(value, kind) and (kind, type(value)) != (int, bool)):
-            what = "an int" if kind is int else kind.__name__
-            raise ValueError(f"GRPOConfig.{name}={value!r} must be {what}" + " or None" * optional)
-        if kind is float and value is not None and not math.isfinite(value):  # inf, nan: never what is meant
-            raise ValueError(f"GRPOConfig.{name}={value!r} must be finite")
+        what = "an int" if kind is int else kind.__name__
+        require(value is None and optional or isinstance(value, kind) and (kind, type(value)) != (int, bool),
+                f"GRPOConfig.{name}={value!r} must be {what}" + " or None" * optional)
+        require(kind is not float or value is None or math.isfinite(value),  # inf, nan: never what is meant
+                f"GRPOConfig.{name}={value!r} must be finite")
         setattr(c, name, value)
-    at_least_1 = ("num_iterations", "max_steps", "per_device_train_batch_size", "gradient_accumulation_steps",
-                  "max_completion_length", "logging_steps", "save_steps", "max_prompt_length",
-                  "save_total_limit")
-    checks = [(n, getattr(c, n) is None or getattr(c, n) >= 1, "must be >= 1") for n in at_least_1] + [
+    rules = {"must be >= 1": (lambda v: v >= 1, "num_iterations max_steps per_device_train_batch_size "
+                              "gradient_accumulation_steps max_completion_length logging_steps save_steps "
+                              "max_prompt_length save_total_limit steps_per_generation"),
+             "must be >= 0": (lambda v: v >= 0, "beta learning_rate weight_decay max_grad_norm"),
+             "must be > 0": (lambda v: v > 0, "epsilon_high temperature")}
+    checks = [(n, getattr(c, n) is None or ok(getattr(c, n)), rule) for rule, (ok, names) in rules.items()
+              for n in names.split()] + [
         ("num_generations", c.num_generations >= 2, "must be >= 2: a group of one has no baseline"),
         ("epsilon", 0 < c.epsilon < 1, "must lie in (0, 1)"),
         ("reward_weights", all(isinstance(w, numbers.Real) and math.isfinite(w)
                                for w in c.reward_weights or []), "must be finite numbers"),
-        ("loss_type", c.loss_type in ("grpo", "dapo", "dr_grpo"), "must be 'grpo', 'dapo' or 'dr_grpo'"),
+        ("loss_type", c.loss_type in ("grpo", "bnpo", "dapo", "dr_grpo"), "must be grpo/bnpo/dapo/dr_grpo"),
         ("scale_rewards", c.scale_rewards in ("group", "none"), "must be 'group' or 'none'"),
         ("lr_scheduler_type", c.lr_scheduler_type in ("linear", "constant"), "must be linear or constant")]
-    checks += [(n, getattr(c, n) is None or getattr(c, n) > 0, "must be > 0") for n in ("epsilon_high",
-                                                                                       "temperature")]
-    checks += [(n, getattr(c, n) >= 0, "must be >= 0") for n in ("beta", "learning_rate", "weight_decay",
-                                                                 "max_grad_norm")]
     for name, ok, rule in checks:
         require(ok, f"GRPOConfig.{name}={getattr(c, name)!r} {rule}")
 
 def check_inputs(args, reward_funcs):
-    per_step = args.per_device_train_batch_size * args.gradient_accumulation_steps
-    require(per_step % args.num_generations == 0, "per_device_train_batch_size × gradient_accumulation_"
-            f"steps = {per_step} completions per optimizer step (per device) is not divisible by "
-            f"num_generations={args.num_generations}; each prompt's whole group must be in the same step")
+    gas = args.gradient_accumulation_steps
+    per_step, spg = args.per_device_train_batch_size * gas, args.steps_per_generation or gas
+    require(per_step % args.num_generations == 0, "per_device_train_batch_size × gradient_accumulation_steps"
+            f" = {per_step} is not divisible by num_generations={args.num_generations}: groups can't split")
+    require(spg % gas == 0, f"steps_per_generation={spg} is not a multiple of gradient_accumulation_steps="
+            f"{gas}: a generation batch must hold whole optimizer steps")
     funcs = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
     require(funcs and all(map(callable, funcs)), "reward_funcs must be a function or a non-empty list of "
             f"them, got {reward_funcs!r}", TypeError)
-    weights = args.reward_weights or funcs
-    require(len(weights) == len(funcs), f"GRPOConfig.reward_weights has {len(weights)} weights for "
-            f"{len(funcs)} reward functions; give one weight per function")
+    n = len(args.reward_weights or funcs)  # weights: one per function
+    require(n == len(funcs), f"GRPOConfig.reward_weights has {n} weights for {len(funcs)} reward functions")
     with suppress(OSError):
         os.makedirs(args.output_dir, exist_ok=True)
     require(os.path.isdir(args.output_dir) and os.access(args.output_dir, os.W_OK),
@@ -751,39 +776,46 @@ def call_reward(f, kwargs):  # f's rewards as a float32 column, NaN for None; el
     except Exception as e:
         raise RuntimeError(f"reward function {name!r} raised {type(e).__name__}: {e}") from e
     require(hasattr(values, "__len__") and not isinstance(values, (abc.Mapping, str)), f"reward function "
-            f"{name!r} returned a {type(values).__name__}; it must return a list with one number (or None) "
-            "per completion", TypeError)
+            f"{name!r} returned a {type(values).__name__}, not a list of numbers (or None)", TypeError)
     require(len(values) == len(completions), f"reward function {name!r} returned {len(values)} values for "
             f"{len(completions)} completions; it must return one number (or None) per completion")
     for i, v in enumerate(values):
-        scalar = torch.is_tensor(v) and v.numel() == 1
-        number = scalar or isinstance(v, numbers.Real) and not isinstance(v, bool)
+        number = isinstance(v, numbers.Real) and type(v) is not bool or torch.is_tensor(v) and v.numel() == 1
         require(v is None or number, f"reward function {name!r} returned {v!r} ({type(v).__name__}) for "
                 f"completion {i}; rewards must be numbers (or None)", TypeError)
     column = torch.tensor([math.nan if v is None else float(v) for v in values], dtype=torch.float32)
-    i = next((i for i, v in enumerate(values) if v is not None and not column[i].isfinite()), None)  # 1e39
-    if i is not None:
-        raise ValueError(f"reward function {name!r} returned {float(values[i])} for completion {i} "
-                         f"({completions[i]!r:.80}); rewards must be finite in float32 (None: n/a)")
+    i = next((i for i, v in enumerate(values) if v is not None and not column[i].isfinite()), 0)  # 1e39, NaN
+    require(values[i] is None or column[i].isfinite(), f"reward function {name!r} returned {values[i]} for "
+            f"completion {i} ({completions[i]!r:.80}); rewards must be finite in float32 (None: n/a)")
     return column
 
 def check_scored(rewards_per_func, completions):
     unscored = rewards_per_func.isnan().all(1).nonzero()[:, 0].tolist()
-    if unscored:
-        i = unscored[0]
-        raise ValueError(f"every reward function returned None for completion {i} ({completions[i]!r:.80}); "
-                         "at least one must score each completion")
+    i = (unscored or [0])[0]
+    require(not unscored, f"every reward function returned None for completion {i} ({completions[i]!r:.80}); "
+            "at least one must score each completion")
     return rewards_per_func
 
-# Loading: a hub id, a folder or a model, checked for what training and per_token_logps assume.
-def load_policy(model, processing_class, args, device):
-    require(isinstance(model, (PreTrainedModel, str, os.PathLike)),
-            f"model must be a hub id, a folder or a PreTrainedModel, got {type(model).__name__}", TypeError)
-    if not isinstance(model, PreTrainedModel):
-        model = from_disk_or_hub(AutoModelForCausalLM, str(model), dtype=torch.float32)
+def load_policy(model, processing_class, peft_config, args, device):  # checked for what training assumes
+    require(isinstance(model, (PreTrainedModel, str, os.PathLike)) or is_peft(model) and peft_config is None,
+            "model must be a hub id, a folder, a PreTrainedModel or (without peft_config) a peft.PeftModel, "
+            f"got {type(model).__name__}", TypeError)
+    require(isinstance(model, (str, os.PathLike)) or not args.model_init_kwargs, "GRPOConfig.model_init_"
+            "kwargs are from_pretrained's, for a hub id or a folder: this model is loaded already")
+    if isinstance(model, (str, os.PathLike)):  # in float32 unless model_init_kwargs say otherwise
+        kwargs = dict(args.model_init_kwargs or {})
+        kwargs.setdefault("dtype", kwargs.pop("torch_dtype", torch.float32))  # torch_dtype: the older name
+        model = from_disk_or_hub(AutoModelForCausalLM, str(model), **kwargs)
+    if peft_config is not None:  # peft, an optional dependency, is imported here only
+        require(importlib.util.find_spec("peft"), "peft_config needs peft: pip install peft", ImportError)
+        model = importlib.import_module("peft").get_peft_model(model, peft_config)  # adapters in float32
     model = model.to(device).train()
-    require(any(p.requires_grad for p in model.parameters()),
-            f"{type(model).__name__} has no trainable parameter (requires_grad is all False)")
+    peft, names = sys.modules.get("peft"), list(getattr(model, "peft_config", {}))  # (imported by its maker)
+    layers = peft and any(isinstance(m, peft.tuners.tuners_utils.BaseTunerLayer) for m in model.modules())
+    require(not layers or is_peft(model) and names == ["default"], f"{type(model).__name__}'s adapters "
+            f"{names} are outside a PeftModel (peft.inject_adapter_in_model?) or beside its 'default': they "
+            "could not be checkpointed or saved. Pass the plain model and peft_config, or get_peft_model()")
+    check_trainable(model)
     for m in model.modules():  # no dropout: the same weights must give the same log-probs (π_old = π_θ)
         if isinstance(m, torch.nn.Dropout):
             m.p = 0.0
@@ -799,18 +831,36 @@ def load_policy(model, processing_class, args, device):
     for name in ("eos_token_id", "pad_token_id"):
         require(0 <= getattr(tokenizer, name) < vocab, f"the tokenizer's {name}={getattr(tokenizer, name)} "
                 f"is outside the model's vocabulary of {vocab} tokens: they do not belong together")
-    with torch.no_grad():  # per_token_logps computes logits as lm_head(last hidden state): check that
-        ids = torch.tensor([[tokenizer.eos_token_id] * 3], device=device)
-        head_logits = model.get_output_embeddings()(model.get_decoder()(input_ids=ids).last_hidden_state)
-        require(torch.allclose(model(input_ids=ids).logits, head_logits, rtol=1e-3, atol=1e-3),
-                f"{type(model).__name__}'s logits are not lm_head(hidden states) (softcapping or scaling?); "
-                "per_token_logps would compute wrong log-probs for it")
+    with torch.no_grad():  # per_token_logps computes logits as F.linear(hidden states, lm_head's weights)
+        ids, head = torch.tensor([[tokenizer.eos_token_id] * 3], device=device), model.get_output_embeddings()
+        head_logits = head(model.get_decoder()(input_ids=ids).last_hidden_state)
+        logits = model(input_ids=ids).logits[:, -3:]  # (prompt tuning's virtual tokens come first)
+        same = isinstance(head, torch.nn.Linear) and torch.allclose(logits, head_logits, rtol=1e-3, atol=1e-3)
+        require(same, f"{type(model).__name__}'s logits are not lm_head(hidden states) (softcapping, "
+                "scaling, an adapter on lm_head or the input?): per_token_logps's log-probs would be wrong")
     return model, tokenizer
+
+# Trainable weights must be float32: an AdamW step (~lr, 1e-6) to a weight near 0.01 rounds away in bf16 (its
+# spacing: 6e-5). Refused, not master-copied: float32 weights under bf16=True's autocast are mixed precision.
+def check_trainable(model):  # at construction, and at train(): after a trainer.model.to(torch.bfloat16)?
+    dtypes = ", ".join(sorted({str(p.dtype) for p in model.parameters() if p.requires_grad})) or "none"
+    require(dtypes == "torch.float32", f"{type(model).__name__}'s trainable weights are {dtypes}: train "
+            "float32 ones (in 16 bits AdamW's updates round away; bf16=True computes in bfloat16), or LoRA")
+
+def is_peft(model):  # a peft.PeftModel (peft is imported by then): its adapter trains, checkpoints and saves
+    return isinstance(model, getattr(sys.modules.get("peft"), "PeftModel", ()))
+
+def reference_model(model):  # π_ref, frozen: a copy of the policy, or a PeftModel itself (adapter disabled)
+    return model if is_peft(model) else copy.deepcopy(model).eval().requires_grad_(False)
+
+def eos_token_ids(model, tokenizer):  # TRL's: any of the tokenizer's and generation_config's EOS ids ends
+    ids = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    ids = [] if ids is None else [ids] if isinstance(ids, int) else list(ids)
+    return torch.tensor(sorted({tokenizer.eos_token_id, *ids}), device=model.device)
 
 def from_disk_or_hub(cls, name, **kwargs):  # hub unreachable: the local cache only, to fail in seconds
     local = os.path.isdir(name)
-    require(local or not (os.path.isabs(name) or name.startswith(".")),
-            f"could not load {name!r}: there is no such folder")
+    require(local or not (os.path.isabs(name) or name[:1] == "."), f"could not load {name!r}: no such folder")
     offline = not local and not hub_reachable()
     if cls is AutoModelForCausalLM:  # with peft installed, its adapter lookup ignores local_files_only
         kwargs["adapter_kwargs"] = {"local_files_only": offline}

@@ -19,7 +19,7 @@ import types
 import pytest
 import torch
 from datasets import Dataset
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 import grpo_multistep as gm
@@ -67,14 +67,16 @@ def short_is_good(completion_ids, **kwargs):
     return [sum(t < 150 for t in ids) / max(len(ids), 1) for ids in completion_ids]
 
 
-def make_trainer(tmp_path, reward_funcs=short_is_good, dataset=None, tokenizer=None, model=None, **overrides):
+def make_trainer(tmp_path, reward_funcs=short_is_good, dataset=None, tokenizer=None, model=None, peft_config=None,
+                 **overrides):
     tokenizer = tokenizer or make_tokenizer()
     config = dict(output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, gradient_accumulation_steps=2,
                   num_generations=4, max_prompt_length=16, max_completion_length=12, max_steps=2,
                   learning_rate=1e-2, logging_steps=1, max_grad_norm=0.0, seed=0)
     config.update(overrides)
     dataset = dataset if dataset is not None else Dataset.from_dict({"prompt": PROMPTS})
-    return GRPOTrainer(model or make_model(tokenizer), reward_funcs, GRPOConfig(**config), dataset, tokenizer)
+    return GRPOTrainer(model or make_model(tokenizer), reward_funcs, GRPOConfig(**config), dataset, tokenizer,
+                       peft_config=peft_config)
 
 
 def first_step_gradients(trainer):
@@ -91,10 +93,11 @@ def first_step_gradients(trainer):
 # ---------------------------------------------------------------------------------------------------
 # The multi-step trick: μ = 1 is plain GRPO; μ > 1 starts from ratio 1; caches are computed once
 # ---------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "dr_grpo"])
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dapo", "dr_grpo"])
 def test_mu1_gradient_equals_detached_ratio_gradient_exactly(tmp_path, loss_type):
     """With μ = 1, old_logp = logp.detach(): the clipped loss's gradient is bit for bit that of the
-    single-step GRPO loss -exp(logp - logp.detach()) · A with the same reduction."""
+    single-step GRPO loss -exp(logp - logp.detach()) · A with the same reduction. bnpo's is TRL PR #2899's
+    as written there: each micro-batch's token mean, divided by the accumulation steps."""
     trainer = make_trainer(tmp_path, loss_type=loss_type)
     reference = make_trainer(tmp_path, loss_type=loss_type)  # same weights, same seed
     grads = first_step_gradients(trainer)
@@ -109,6 +112,9 @@ def test_mu1_gradient_equals_detached_ratio_gradient_exactly(tmp_path, loss_type
             loss = ((per_token_loss * mask).sum(1) / mask.sum(1).clamp(min=1)).sum() / batch["num_seqs"]
         elif loss_type == "dapo":
             loss = (per_token_loss * mask).sum() / batch["num_tokens"]
+        elif loss_type == "bnpo":  # on micro-batches of unequal token counts (else it would be dapo's)
+            assert mask.sum() != batch["num_tokens"] / args.gradient_accumulation_steps
+            loss = (per_token_loss * mask).sum() / mask.sum() / args.gradient_accumulation_steps
         else:
             loss = (per_token_loss * mask).sum() / (batch["num_seqs"] * args.max_completion_length)
         loss.backward()
@@ -130,9 +136,12 @@ def test_mu2_first_step_has_ratio_one_and_the_mu1_gradient(tmp_path):
         assert torch.equal(g1, g2)
 
 
-@pytest.mark.parametrize("mu,beta", [(1, 0.0), (3, 0.0), (1, 0.1), (3, 0.1)])
-def test_generation_and_cached_logps_happen_once_per_generation_batch(tmp_path, monkeypatch, mu, beta):
-    trainer = make_trainer(tmp_path, num_iterations=mu, beta=beta, max_steps=2 * mu)
+@pytest.mark.parametrize("mu,S,beta", [(1, 1, 0), (3, 1, 0), (1, 1, 0.1), (3, 1, 0.1), (1, 2, 0), (2, 2, 0.1)])
+def test_generation_and_cached_logps_happen_once_per_generation_batch(tmp_path, monkeypatch, mu, S, beta):
+    """A generation batch of S mini-batches serves μ·S optimizer steps: one generation, one π_old pass
+    (unless μ·S = 1, where the training pass's own log-probs are π_old's) and one π_ref pass (β > 0)."""
+    trainer = make_trainer(tmp_path, num_iterations=mu, beta=beta, max_steps=2 * mu * S,
+                           steps_per_generation=2 * S)
     calls = {"generate": 0, "policy": 0, "reference": 0, "policy_no_grad": 0}
     generate, logps = gm.generate_completions, gm.per_token_logps
 
@@ -150,11 +159,38 @@ def test_generation_and_cached_logps_happen_once_per_generation_batch(tmp_path, 
     monkeypatch.setattr(gm, "per_token_logps", counting_logps)
     trainer.train()
     micro = trainer.args.gradient_accumulation_steps
-    assert calls["generate"] == 2                                   # 2 generation batches for 2·μ steps
-    assert calls["policy_no_grad"] == (2 * micro if mu > 1 else 0)  # π_old: once per batch, never for μ = 1
-    assert calls["policy"] == 2 * mu * micro + calls["policy_no_grad"]
-    assert calls["reference"] == (2 * micro if beta > 0 else 0)     # π_ref: once per batch, none when β = 0
+    assert calls["generate"] == 2                                   # 2 generation batches for 2·μ·S steps
+    assert calls["policy_no_grad"] == (2 * S * micro if mu * S > 1 else 0)  # π_old: once per batch
+    assert calls["policy"] == 2 * mu * S * micro + calls["policy_no_grad"]
+    assert calls["reference"] == (2 * S * micro if beta > 0 else 0)  # π_ref: once per batch, none when β = 0
     assert (trainer.ref_model is None) == (beta == 0)
+
+
+def test_steps_per_generation_of_one_optimizer_step_is_the_default_loop_bit_for_bit(tmp_path):
+    """steps_per_generation = gradient_accumulation_steps (TRL's default, None here) is the loop without it."""
+    assert_same_run(run_to_end(tmp_path, "none"), run_to_end(tmp_path, "ga", steps_per_generation=2))
+
+
+def test_steps_per_generation_cuts_a_generation_batch_into_fresh_mini_batches_against_its_pi_old(tmp_path):
+    """S = 2: one generation batch of 2 optimizer steps' completions. Its first mini-batch has ratio 1 and
+    μ = 1's gradient; the second is stale: the update before it moved π_θ off the cached π_old, so its
+    ratio is no longer 1 and the clip acts against π_old (against the current weights it could not)."""
+    trainer = make_trainer(tmp_path, steps_per_generation=4, learning_rate=0.1)  # S = 4 / 2
+    torch.manual_seed(0)
+    batch, _ = trainer.generate_and_score(0)
+    first, second = gm.micro_batches(batch, 8)  # two mini-batches of one optimizer step's 8 completions
+    assert len(batch["advantages"]) == 16 and batch["num_seqs"] == 8  # normalizers: one step's share
+    assert batch["num_tokens"] == batch["completion_mask"].sum() / 2  # TRL's dapo: the batch's mean per step
+    mu1 = make_trainer(tmp_path)  # the same weights; without old_logps it takes π_old = π_θ detached
+    grads = {}
+    for name, t in (("S=2", trainer), ("μ=1", mu1)):
+        t.optimizer.register_step_pre_hook(lambda *_, name=name, t=t: grads.update(
+            {name: [p.grad.clone() for p in t.model.parameters()]}))
+    trainer.optimizer_step(first)
+    mu1.optimizer_step({k: v for k, v in first.items() if k != "old_logps"})
+    assert all(torch.equal(a, b) for a, b in zip(grads["S=2"], grads["μ=1"]))
+    metrics = trainer.optimizer_step(second)
+    assert metrics["clip_ratio_low"] + metrics["clip_ratio_high"] > 0
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -220,6 +256,24 @@ def test_kl_penalty_pulls_the_policy_back_towards_the_reference():
     assert stats["kl"].item() > 0
     # Descending the loss moves each log-prob towards the reference's.
     assert logps.grad[0, 0] > 0 and logps.grad[0, 1] == 0 and logps.grad[0, 2] < 0
+
+
+def test_the_bias_corrected_kl_is_the_k3_estimate_weighed_by_the_ratio():
+    """use_bias_correction_kl (TRL 1.16): the k3 term times ρ = π_θ / π_old, which estimates KL(π_θ ‖ π_ref)
+    from π_old's samples; its gradient flows through ρ too. With A = 0 only the KL term is left."""
+    logps = torch.tensor([[-0.5, -1.0, -1.5]], requires_grad=True)
+    old_logps, ref_logps = torch.tensor([[-0.7, -1.0, -1.2]]), torch.full((1, 3), -1.0)
+    loss, stats = loss_on(logps, old_logps, torch.zeros(1), ref_logps=ref_logps, beta=0.5,
+                          use_bias_correction_kl=True)
+    ratio, k3 = torch.exp(logps - old_logps), torch.exp(ref_logps - logps) - (ref_logps - logps) - 1
+    expected = 0.5 * (ratio * k3).mean()
+    torch.testing.assert_close(loss, expected, rtol=1e-6, atol=0)
+    torch.testing.assert_close(stats["kl"], (ratio * k3).sum().detach(), rtol=1e-6, atol=0)
+    (grad,) = torch.autograd.grad(expected, logps)
+    loss.backward()
+    torch.testing.assert_close(logps.grad, grad, rtol=1e-6, atol=0)
+    plain, _ = loss_on(logps, old_logps, torch.zeros(1), ref_logps=ref_logps, beta=0.5)
+    assert not torch.allclose(plain, loss)  # off-policy (ρ ≠ 1) the two differ
 
 
 def test_trainer_reports_zero_kl_on_its_first_step(tmp_path):
@@ -303,6 +357,58 @@ def test_completion_mask_keeps_tokens_up_to_and_including_the_first_eos():
     assert completion_mask(ids, eos).tolist() == [[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]]
 
 
+def test_any_of_several_eos_ids_ends_generation_and_the_mask_at_the_first(tmp_path, monkeypatch):
+    """TRL's rule: the tokenizer's EOS and every id in the model's generation_config.eos_token_id end a
+    completion (instruct models often list several, e.g. <|eot_id|> beside <|end_of_text|>)."""
+    ids = torch.tensor([[5, 7, 6, 1, 9], [5, 1, 7, 0, 0]])
+    assert completion_mask(ids, [1, 7]).tolist() == [[1, 1, 0, 0, 0], [1, 1, 0, 0, 0]]
+    tokenizer = make_tokenizer()
+    model = make_model(tokenizer)
+    model.generation_config.eos_token_id = [tokenizer.eos_token_id, 7]
+    trainer = make_trainer(tmp_path, model=model, tokenizer=tokenizer)
+    assert trainer.eos_token_ids.tolist() == sorted({tokenizer.eos_token_id, 7})
+    sample, steps = gm.sample_token, []
+
+    def seven_at_step_3(logits, temperature):  # the model's second EOS id ends every completion at step 3
+        steps.append(1)
+        token = sample(logits, temperature)
+        token[token == tokenizer.eos_token_id] = 2
+        return torch.full_like(token, 7) if len(steps) == 3 else token.masked_fill(token == 7, 2)
+
+    monkeypatch.setattr(gm, "sample_token", seven_at_step_3)
+    batch, _ = trainer.generate_and_score(0)
+    assert len(steps) == 3 and batch["completion_ids"].size(1) == 3  # generation stopped there
+    assert batch["completion_mask"].sum(1).eq(3).all()               # and the mask ends with the 7
+
+
+def test_checking_for_the_end_every_few_tokens_samples_the_same_tokens(monkeypatch):
+    """On a GPU `done.all()` waits for the device, so it is checked every DONE_CHECK tokens: that only adds
+    padding columns after the last EOS; the completions and their masks are the same."""
+    tokenizer = make_tokenizer()
+    model = make_model(tokenizer)
+    ids, mask = gm.tokenize_prompts(tokenizer, ["hello world", "the cat sat on the mat"], None)
+    args = GRPOConfig(num_generations=4, max_completion_length=40)
+    sample, runs, steps = gm.sample_token, [], []
+
+    def row_t_ends_at_step_t(logits, temperature):  # the 8 completions end one by one, by step 8
+        token = sample(logits, temperature)
+        token[token == tokenizer.eos_token_id] = 2
+        steps.append(1)
+        token[:len(steps)] = tokenizer.eos_token_id
+        return token
+
+    monkeypatch.setattr(gm, "sample_token", row_t_ends_at_step_t)
+    for every in (1, 8):
+        monkeypatch.setitem(gm.DONE_CHECK, "cpu", every)
+        torch.manual_seed(0)
+        steps.clear()
+        runs.append(gm.generate_completions(model, tokenizer, ids, mask, args)[2:])
+    (ids_1, mask_1), (ids_8, mask_8) = runs
+    assert ids_1.size(1) < 40 and ids_8.size(1) > ids_1.size(1)      # all ended early; checked later
+    assert torch.equal(ids_8[:, :ids_1.size(1)], ids_1) and torch.equal(mask_8[:, :ids_1.size(1)], mask_1)
+    assert (ids_8[:, ids_1.size(1):] == tokenizer.pad_token_id).all() and mask_8[:, ids_1.size(1):].sum() == 0
+
+
 def test_eos_is_trainable_when_pad_is_eos(tmp_path):
     tokenizer = make_tokenizer(pad_is_eos=True)
     assert tokenizer.pad_token_id == tokenizer.eos_token_id
@@ -323,6 +429,20 @@ def test_prompts_are_truncated_from_the_left_with_one_warning():
     full = tokenizer(long_prompt, add_special_tokens=False)["input_ids"]
     assert ids[0].tolist() == full[-4:]                                   # the end of the prompt is kept
     assert mask[1].tolist()[0] == 0 and ids.shape == (2, 4)               # the short one is left-padded
+
+
+def test_text_prompts_keep_the_bos_that_the_tokenizer_adds_and_chats_get_only_their_templates():
+    """As TRL: a text prompt is tokenized as the tokenizer does by default (a Llama-style tokenizer adds <s>);
+    a conversation is rendered by its chat template, which writes its own special tokens."""
+    tokenizer = make_tokenizer()
+    tokenizer.add_special_tokens({"bos_token": "<s>"})
+    bos = tokenizer.bos_token_id
+    tokenizer.backend_tokenizer.post_processor = processors.TemplateProcessing(single="<s> $A",
+                                                                               special_tokens=[("<s>", bos)])
+    ids, mask = gm.tokenize_prompts(tokenizer, ["hello world", "the cat"], None)
+    assert ids[mask.bool()].tolist().count(bos) == 2 and ids[1, -3].item() == bos  # each prompt starts with it
+    chat, _ = gm.tokenize_prompts(tokenizer, [[{"role": "user", "content": "hello"}]], None)
+    assert bos not in chat[0].tolist()  # this template writes none: none is added
 
 
 def test_left_padding_does_not_change_log_probs():
@@ -422,7 +542,8 @@ def test_generation_shares_each_prompts_cache_and_samples_from_the_plain_forward
 @pytest.mark.parametrize("checkpointing", [False, True])
 def test_the_completions_of_a_prompt_share_its_forward_pass_and_get_the_plain_log_probs(checkpointing):
     """per_token_logps runs each prompt once for its group (not with gradient checkpointing, which cannot
-    keep a KV cache), and gives the log-probs and gradients of the plain log_softmax of the logits."""
+    keep a KV cache), and gives the log-probs and gradients of Part I's plain definition, which are those of
+    the model's own logits."""
     tokenizer = make_tokenizer()
     model = make_model(tokenizer)
     if checkpointing:
@@ -440,10 +561,12 @@ def test_the_completions_of_a_prompt_share_its_forward_pass_and_get_the_plain_lo
     assert rows_in == ([6] if checkpointing else [2, 6])   # shared: the 2 prompts, then the 6 completions
     lean_grads = [p.grad.clone() for p in model.parameters()]
     model.zero_grad()
+    plain = gm.plain_per_token_logps(model, prompt_ids, prompt_mask, completion_ids, completion_mask, 0.7)
+    (plain * completion_mask).sum().backward()
+    torch.testing.assert_close(lean, plain * completion_mask, rtol=0, atol=1e-5)
     logits = plain_logits(model, prompt_ids, prompt_mask, completion_ids, completion_mask)[:, ids.size(1) - 1:-1]
-    plain = (logits / 0.7).log_softmax(-1).gather(-1, completion_ids[..., None]).squeeze(-1) * completion_mask
-    plain.sum().backward()
-    torch.testing.assert_close(lean, plain, rtol=0, atol=1e-5)
+    by_hand = (logits / 0.7).log_softmax(-1).gather(-1, completion_ids[..., None]).squeeze(-1)  # the model's own
+    torch.testing.assert_close(plain, by_hand, rtol=0, atol=1e-5)
     for a, p in zip(lean_grads, model.parameters()):
         torch.testing.assert_close(a, p.grad, rtol=1e-4, atol=1e-6)
 
@@ -564,9 +687,10 @@ def test_trl_pr_2899_reproduction_script_runs_with_only_its_import_line_changed(
 # ---------------------------------------------------------------------------------------------------
 # Checkpoints: resuming is bit-identical; a killed write never costs the previous checkpoint
 # ---------------------------------------------------------------------------------------------------
-def run_to_end(tmp_path, name, resume=None, stop_at=None, **overrides):
+def run_to_end(tmp_path, name, resume=None, stop_at=None, model=None, peft_config=None, **overrides):
     """Train 6 steps with μ = 3 and a checkpoint every 2 steps (so steps 2 and 4 fall inside a μ cycle);
-    return the final weights and the logged metrics without the timings. `stop_at` simulates Ctrl-C."""
+    return the final weights and the logged metrics without the timings. `stop_at` simulates Ctrl-C.
+    model: a function of the tokenizer (default: make_model)."""
     logged = []
 
     class Recorder(GRPOTrainer):
@@ -581,8 +705,8 @@ def run_to_end(tmp_path, name, resume=None, stop_at=None, **overrides):
                   num_generations=4, max_completion_length=12, max_steps=6, num_iterations=3, save_steps=2,
                   learning_rate=1e-2, logging_steps=1, beta=0.1, seed=0)
     config.update(overrides)
-    trainer = Recorder(make_model(tokenizer), short_is_good, GRPOConfig(**config),
-                       Dataset.from_dict({"prompt": PROMPTS}), tokenizer)
+    trainer = Recorder((model or make_model)(tokenizer), short_is_good, GRPOConfig(**config),
+                       Dataset.from_dict({"prompt": PROMPTS}), tokenizer, peft_config=peft_config)
     trainer.train(resume_from_checkpoint=resume)
     return [p.detach().clone() for p in trainer.model.parameters()], logged
 
@@ -593,10 +717,12 @@ def assert_same_run(a, b):
     assert metrics_a[-len(metrics_b):] == metrics_b
 
 
-@pytest.mark.parametrize("checkpoint", [2, 3, 4])  # inside a μ cycle (2, 4) and at its boundary (3)
-def test_resuming_from_a_checkpoint_is_bit_identical(tmp_path, checkpoint):
-    uninterrupted = run_to_end(tmp_path, "a", save_steps=1)
-    resumed = run_to_end(tmp_path, "b", resume=str(tmp_path / "a" / f"checkpoint-{checkpoint}"))
+@pytest.mark.parametrize("checkpoint,mu,spg", [(2, 3, None), (3, 3, None), (4, 3, None), (1, 1, 6), (5, 2, 4)])
+def test_resuming_from_a_checkpoint_is_bit_identical(tmp_path, checkpoint, mu, spg):
+    """Inside a generation batch (μ = 3: steps 2, 4; S = 3: step 1; μ = 2, S = 2: step 5) and at its end."""
+    shape = dict(num_iterations=mu, steps_per_generation=spg)
+    uninterrupted = run_to_end(tmp_path, "a", save_steps=1, **shape)
+    resumed = run_to_end(tmp_path, "b", resume=str(tmp_path / "a" / f"checkpoint-{checkpoint}"), **shape)
     assert_same_run(uninterrupted, resumed)
     assert len(resumed[1]) == 6 - checkpoint
 
@@ -711,7 +837,7 @@ def test_three_non_finite_steps_in_a_row_stop_training_with_a_checkpoint(tmp_pat
 # ---------------------------------------------------------------------------------------------------
 # Data parallelism: N processes make the same optimizer steps as one process over the same completions
 # ---------------------------------------------------------------------------------------------------
-def fixed_completions(model, tokenizer, prompt_ids, prompt_mask, args):
+def fixed_completions(model, tokenizer, prompt_ids, prompt_mask, args, eos_token_ids=None):
     """Stands in for generate_completions: completions (and their lengths) that depend only on the
     prompt, so that any split of the prompts over ranks yields the same global batch."""
     G, C = args.num_generations, args.max_completion_length
@@ -724,23 +850,25 @@ def fixed_completions(model, tokenizer, prompt_ids, prompt_mask, args):
     return prompt_ids, prompt_mask, completion_ids, completion_mask(completion_ids, tokenizer.eos_token_id)
 
 
-DATA_PARALLEL_RUNS = [(loss_type, mu) for loss_type in ("grpo", "dapo", "dr_grpo") for mu in (1, 2)]
+DATA_PARALLEL_RUNS = [(loss_type, mu, S) for loss_type in ("grpo", "dapo", "dr_grpo") for mu in (1, 2)
+                      for S in (1, 2) if S == 1 or mu == 1 and loss_type != "dr_grpo"]
 
 
 def train_on_fixed_completions(tmp_path, world_size):
-    """Two optimizer steps of each (loss_type, μ), 16 completions per step over all ranks."""
+    """Two optimizer steps of each (loss_type, μ, S), 16 completions per step over all ranks."""
     gm.generate_completions = fixed_completions
     params = {}
-    for loss_type, mu in DATA_PARALLEL_RUNS:
+    for loss_type, mu, S in DATA_PARALLEL_RUNS:
         trainer = make_trainer(tmp_path, loss_type=loss_type, num_iterations=mu, beta=0.1,
                                per_device_train_batch_size=8 // world_size, gradient_accumulation_steps=2,
-                               max_steps=2, save_steps=100, output_dir=str(tmp_path / f"{loss_type}-{mu}"))
+                               steps_per_generation=2 * S, max_steps=2, save_steps=100,
+                               output_dir=str(tmp_path / f"{loss_type}-{mu}-{S}"))
         trainer.log = lambda metrics: None
         grads = []  # the gradients each optimizer step applies, after the all-reduce
         trainer.optimizer.register_step_pre_hook(
             lambda *_: grads.append([p.grad.clone() for p in trainer.model.parameters()]))
         trainer.train()
-        params[loss_type, mu] = grads, [p.detach().clone() for p in trainer.model.parameters()]
+        params[loss_type, mu, S] = grads, [p.detach().clone() for p in trainer.model.parameters()]
     return params
 
 
@@ -1458,14 +1586,196 @@ def test_reward_functions_with_the_same_name_keep_a_metric_each(tmp_path):
 # ---------------------------------------------------------------------------------------------------
 def test_readme_term_table_links_the_lines_that_hold_the_quoted_code_in_part_one():
     """Each row of the README's term -> code table quotes a line of grpo_multistep.py and links to it. The
-    quote must occur once in the file, at the linked line, in Part I (the algorithm: the first 330 lines)."""
+    quote must occur once in the file, at the linked line, in Part I (the algorithm: at most 340 lines)."""
     here = os.path.dirname(os.path.abspath(__file__))
     source = open(os.path.join(here, "grpo_multistep.py")).read().splitlines()
     part_two = next(i for i, text in enumerate(source, 1) if "PART II" in text)
-    assert part_two <= 331, f"Part I runs to line {part_two - 1}"
+    assert part_two <= 341, f"Part I runs to line {part_two - 1}"
     rows = re.findall(r"\| `([^`]+)` \| \[grpo_multistep\.py#L(\d+)\]", open(os.path.join(here, "README.md")).read())
     assert len(rows) >= 10
     for code, line in rows:
         found = [i for i, text in enumerate(source, 1) if code in text]
         assert len(found) == 1, f"README quotes {code!r}, found at lines {found} of grpo_multistep.py"
         assert int(line) == found[0] < part_two, f"README links {code!r} to line {line}, it is at {found[0]}"
+
+
+
+# ---------------------------------------------------------------------------------------------------
+# LoRA, the policy's dtype, 16-bit weights: what users from TRL, or on a small GPU, expect
+# ---------------------------------------------------------------------------------------------------
+def lora(**overrides):
+    """TRL's usual LoRA: rank 4 on the attention's query and value projections."""
+    peft = pytest.importorskip("peft")
+    return peft.LoraConfig(**{"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"],
+                              "task_type": "CAUSAL_LM", **overrides})
+
+
+def test_with_lora_only_the_adapter_trains_and_the_base_weights_stay_bit_identical(tmp_path):
+    trainer = make_trainer(tmp_path, peft_config=lora(), max_steps=3, beta=0.1)
+    adapter = {n for n, p in trainer.model.named_parameters() if p.requires_grad}
+    assert adapter and all(".lora_A." in n or ".lora_B." in n for n in adapter)
+    trainable = [p for n, p in trainer.model.named_parameters() if n in adapter]
+    assert [p for group in trainer.optimizer.param_groups for p in group["params"]] == trainable
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    trainer.train()
+    for n, p in trainer.model.named_parameters():  # the base as it was, every adapter matrix moved
+        assert torch.equal(p, before[n]) == (n not in adapter), n
+
+
+def parameter_bytes(trainer):
+    """The bytes of the weights that the trainer's attributes reach (policy, reference), each storage once."""
+    modules = [v for v in vars(trainer).values() if isinstance(v, torch.nn.Module)]
+    storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for m in modules for p in m.parameters()}
+    return sum(storages.values())
+
+
+def test_with_lora_the_reference_model_is_the_base_model_and_no_copy_of_the_weights(tmp_path):
+    """β > 0 needs π_ref, the policy before training. A full model's is a frozen copy: twice the weights. With
+    LoRA, π_ref is the policy with its adapter disabled: the base model, which never changes, at no cost."""
+    full, full_kl = (parameter_bytes(make_trainer(tmp_path, beta=beta)) for beta in (0.0, 0.1))
+    assert full_kl >= 2 * full
+    tokenizer = make_tokenizer()
+    lora_only, lora_kl = (make_trainer(tmp_path, tokenizer=tokenizer, beta=beta, peft_config=lora(), max_steps=2)
+                          for beta in (0.0, 0.1))
+    assert parameter_bytes(lora_kl) == parameter_bytes(lora_only) < full * 1.1
+    lora_kl.train()  # step 2's generation batch comes after step 1's update: the adapter is no longer 0
+    batch, base = lora_kl.batch, make_model(tokenizer)  # the base: make_model's weights, as the adapter found them
+    assert torch.equal(batch["ref_logps"], gm.cached_logps(lora_kl, base, batch))
+    assert not torch.equal(batch["ref_logps"], gm.cached_logps(lora_kl, lora_kl.model, batch))
+
+
+@pytest.mark.parametrize("how", ["peft_config", "PeftModel"])
+def test_a_lora_run_resumes_bit_identically_from_a_checkpoint_inside_a_mu_cycle(tmp_path, how):
+    """A checkpoint holds the adapter (and the optimizer's state of it), not the base model's weights."""
+    peft = pytest.importorskip("peft")
+    setup = (dict(peft_config=lora()) if how == "peft_config" else
+             dict(model=lambda tokenizer: peft.get_peft_model(make_model(tokenizer), lora())))
+    uninterrupted = run_to_end(tmp_path, "a", **setup)
+    assert sorted(os.listdir(tmp_path / "a" / "checkpoint-2")) == ["README.md", "adapter_config.json",
+                                                                   "adapter_model.safetensors", "trainer_state.pt"]
+    assert_same_run(uninterrupted, run_to_end(tmp_path, "b", resume=str(tmp_path / "a" / "checkpoint-2"), **setup))
+
+
+def test_an_adapter_checkpoint_of_other_modules_or_truncated_is_refused_by_name(tmp_path):
+    """Resuming loads the adapter with peft's own loading, which would skip, silently, weights of modules
+    that this model's adapter does not have: a checkpoint of another LoRA config is refused."""
+    make_trainer(tmp_path, save_steps=1, peft_config=lora()).train()
+    with pytest.raises(ValueError, match="holds weights the model lacks"):
+        make_trainer(tmp_path, save_steps=1, peft_config=lora(target_modules=["k_proj", "o_proj"])).train(
+            resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-1"))
+    damaged = tmp_path / "out" / "checkpoint-1" / "adapter_model.safetensors"
+    damaged.write_bytes(damaged.read_bytes()[:100])
+    with pytest.raises(ValueError, match=re.escape(str(damaged)) + ".*corrupt"):
+        make_trainer(tmp_path, save_steps=1, peft_config=lora()).train(resume_from_checkpoint=str(damaged.parent))
+
+
+def test_the_final_save_is_the_adapter_that_from_pretrained_puts_back_on_the_base(tmp_path):
+    peft = pytest.importorskip("peft")
+    from transformers import AutoTokenizer
+    tokenizer = make_tokenizer()
+    trainer = make_trainer(tmp_path, tokenizer=tokenizer, peft_config=lora()).train()
+    out = tmp_path / "out"
+    assert not (out / "model.safetensors").exists()  # the adapter alone: a few kB, not the model
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= set(map(os.path.basename, gm.final_model_files(out)))
+    loaded = peft.PeftModel.from_pretrained(make_model(tokenizer), out)  # onto the base: make_model's weights again
+    trained = dict(trainer.model.named_parameters())
+    assert all(torch.equal(p, trained[n]) for n, p in loaded.named_parameters())
+    assert AutoTokenizer.from_pretrained(out).get_vocab() == tokenizer.get_vocab()
+
+
+@pytest.mark.parametrize("setup,match", [
+    ("inject_adapter_in_model", "inject_adapter_in_model.*peft_config"),  # trains, but could not be saved
+    ("lm_head", "an adapter on lm_head"),       # per_token_logps reads lm_head's weight: the adapter unseen
+    ("modules_to_save", "an adapter on lm_head"),
+    ("prompt_tuning", "logits are not lm_head"),  # virtual tokens that per_token_logps would not see
+    ("two_adapters", r"adapters \['default', 'second'\]")])
+def test_adapters_that_could_not_be_trained_checkpointed_or_saved_correctly_are_refused_by_name(tmp_path, setup, match):
+    peft = pytest.importorskip("peft")
+    tokenizer = make_tokenizer()
+    model, peft_config = make_model(tokenizer), None
+    if setup == "inject_adapter_in_model":
+        model = peft.inject_adapter_in_model(lora(), model)
+    elif setup == "two_adapters":
+        model = peft.get_peft_model(model, lora())
+        model.add_adapter("second", lora())
+    elif setup == "prompt_tuning":
+        peft_config = peft.PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=2)
+    else:
+        peft_config = lora(target_modules=["lm_head"]) if setup == "lm_head" else lora(modules_to_save=["lm_head"])
+    with pytest.raises(ValueError, match=match):
+        make_trainer(tmp_path, tokenizer=tokenizer, model=model, peft_config=peft_config)
+
+
+def test_a_peft_config_without_peft_installed_says_what_to_install(tmp_path, monkeypatch):
+    config = lora()
+    monkeypatch.setitem(sys.modules, "peft", None)  # import peft now fails, as where it is not installed
+    with pytest.raises(ImportError, match="pip install peft"):
+        make_trainer(tmp_path, peft_config=config)
+
+
+PEFT_IMPORTED = """
+import sys
+from pathlib import Path
+sys.path[:0] = [{here!r}]
+import test_grpo_multistep as t
+tokenizer, folder = t.make_tokenizer(), {folder!r}
+t.make_model(tokenizer).save_pretrained(folder)
+tokenizer.save_pretrained(folder)
+t.make_trainer(Path({tmp!r}), model=folder, beta=0.1, save_steps=1).train()
+t.make_trainer(Path({tmp!r}), model=folder, beta=0.1, save_steps=1).train(resume_from_checkpoint=True)
+print("peft imported:", "peft" in sys.modules)
+"""
+
+
+def test_peft_is_not_imported_unless_asked_for(tmp_path):
+    """peft is optional: a run without an adapter (load, train, checkpoint, resume, save) never imports it."""
+    pytest.importorskip("peft")  # else the test proves nothing
+    script = PEFT_IMPORTED.format(here=os.path.dirname(os.path.abspath(__file__)), folder=str(tmp_path / "tiny"),
+                                  tmp=str(tmp_path))
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert "peft imported: False" in result.stdout, result.stderr[-2000:]
+
+
+def test_model_init_kwargs_load_a_folder_in_bfloat16_where_a_float32_lora_adapter_trains(tmp_path, monkeypatch):
+    """The small-GPU setup: a 16-bit base model (model_init_kwargs, TRL's name; default: float32, whatever the
+    folder holds), LoRA adapters in float32 (peft's default), and the loss and its normalizers in float32."""
+    tokenizer, folder = make_tokenizer(), str(tmp_path / "tiny")
+    make_model(tokenizer).to(torch.bfloat16).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    assert make_trainer(tmp_path, model=folder).model.dtype == torch.float32
+    assert GRPOConfig(model_init_kwargs='{"dtype": "bfloat16"}').model_init_kwargs == {"dtype": "bfloat16"}  # a flag
+    dtypes, grpo_loss = set(), gm.grpo_loss
+    def recording_loss(logps, old_logps, ref_logps, advantages, mask, args, num_seqs, num_tokens):
+        loss, stats = grpo_loss(logps, old_logps, ref_logps, advantages, mask, args, num_seqs, num_tokens)
+        dtypes.update(x.dtype for x in (logps, old_logps, ref_logps, advantages, num_seqs, num_tokens, loss))
+        return loss, stats
+    monkeypatch.setattr(gm, "grpo_loss", recording_loss)
+    trainer = make_trainer(tmp_path, model=folder, model_init_kwargs={"dtype": "bfloat16"}, peft_config=lora(),
+                           beta=0.1, num_iterations=2, max_steps=3)
+    frozen = {p.dtype for p in trainer.model.parameters() if not p.requires_grad}
+    adapter = [p for p in trainer.model.parameters() if p.requires_grad]
+    assert frozen == {torch.bfloat16} and {p.dtype for p in adapter} == {torch.float32}
+    before = [p.detach().clone() for p in adapter]
+    trainer.train()
+    assert all(not torch.equal(a, b) for a, b in zip(before, adapter)) and dtypes == {torch.float32}
+    with pytest.raises(ValueError, match="model_init_kwargs"):  # for a hub id or a folder, not a loaded model
+        make_trainer(tmp_path, model=make_model(tokenizer), model_init_kwargs={"dtype": "bfloat16"})
+
+
+def test_16_bit_trainable_weights_are_refused_before_adamw_would_round_their_updates_away(tmp_path):
+    """AdamW's updates, about the learning rate, are below a 16-bit weight's rounding step: they would vanish
+    silently. So 16-bit trainable weights are refused, at construction and, after a trainer.model.to(), at
+    train(), before AdamW fails on a float32 state. (float32 weights under bf16=True are mixed precision.)"""
+    for dtype, moved in [(torch.bfloat16, 0.0), (torch.float32, 1.0)]:  # why: one AdamW step at lr 1e-6
+        w = torch.full((1000,), 0.01, dtype=dtype, requires_grad=True)
+        w.grad = torch.randn_like(w)
+        torch.optim.AdamW([w], lr=1e-6).step()
+        assert (w != 0.01).float().mean() == moved  # bf16: every update rounded away; float32: every weight moved
+    tokenizer = make_tokenizer()
+    with pytest.raises(ValueError, match="trainable weights are torch.bfloat16.*float32"):
+        make_trainer(tmp_path, tokenizer=tokenizer, model=make_model(tokenizer).to(torch.bfloat16))
+    trainer = make_trainer(tmp_path, max_steps=1, overwrite_output_dir=True).train()
+    trainer.model.to(torch.bfloat16)
+    with pytest.raises(ValueError, match="trainable weights are torch.bfloat16"):
+        trainer.train()

@@ -5,7 +5,7 @@ Every train_tldr.py flag works here, and these:
   --lrs LR...          every μ of --sweep at every learning rate: the μ × learning-rate grid
   --seeds N            each μ (and rate) with the seeds seed, seed+1, ..., seed+N-1, the same for every μ
   --time-budget S      stop each run after S seconds of training (every run gets the same seconds)
-  --target-reward X    stop a run once the mean of its last RECENT logged rewards reaches X
+  --target-reward X    stop a run once the mean of its last 3 logged rewards reaches X
 Into the sweep's folder go sweep.jsonl (every logged point of every run), rewards.md (a row per μ and learning
 rate: the rewards by the same budget of completions and of seconds, the cost of a step measured and predicted,
 what a reuse step was worth, mean ± sd over the seeds; its notes say how each is computed) and rewards.png
@@ -33,10 +33,11 @@ CLOCK_UNITS = {"generated_completions": "completions", "elapsed": "s"}
 
 def parse_args(argv):
     parser = train_tldr.make_parser(__doc__)
-    parser.add_argument("--lrs", type=float, nargs="+", metavar="LR", help="one run per learning rate too, each μ "
-                        "and seed at each: the μ × learning-rate grid (constant schedule: --lr_scheduler_type constant)")
-    parser.add_argument("--seeds", type=int, default=1, metavar="N", help="runs per μ, with the seeds seed, seed+1, "
-                        "..., seed+N-1 (the same for every μ); the charts show their mean and min-max band")
+    parser.add_argument("--lrs", type=float, nargs="+", metavar="LR", help="one run per learning rate too, "
+                        "each μ and seed at each: the μ × learning-rate grid (constant schedule: "
+                        "--lr_scheduler_type constant)")
+    parser.add_argument("--seeds", type=int, default=1, metavar="N", help="runs per μ, with the seeds seed, "
+                        "seed+1, ..., seed+N-1 (the same for every μ); charts: their mean, min-max band")
     parser.add_argument("--time-budget", type=float, help="stop each run after this many seconds of training")
     parser.add_argument("--target-reward", type=float,
                         help=f"stop once the mean of the last {RECENT} logged rewards reaches this")
@@ -50,6 +51,8 @@ def parse_args(argv):
 
 
 class Trainer(train_tldr.Trainer):
+    opts = None  # the lab's flags (main sets them): the budgets that stop a run
+
     def log(self, metrics):
         """The demo's log, then the lab's stops: the target reward reached, the time budget spent."""
         super().log(metrics)
@@ -60,27 +63,27 @@ class Trainer(train_tldr.Trainer):
             print(f"target reward {target:g} reached at step {reached['step']}, {reached['elapsed']:.3g} s")
         elif spent and self.rank == 0:
             print(f"time budget of {budget:g} s spent at step {metrics['step']}")
-        self.should_stop |= bool(reached or spent)  # every rank stops where any asks (the core all-reduces it)
+        self.should_stop |= bool(reached or spent)  # every rank stops where any asks (the core all-reduces)
 
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     config, opts = parse_args(argv)
-    opts.script, opts.argv = os.path.relpath(__file__), argv
+    opts.script, opts.argv, Trainer.opts = os.path.relpath(__file__), argv, opts
     mus, lrs = opts.sweep or [config.num_iterations], opts.lrs or [config.learning_rate]
     seeds = [config.seed + i for i in range(opts.seeds)]
     several = len(mus) * len(lrs) * len(seeds) > 1
     label = (",".join(map(str, mus)) + (f"-lrs={','.join(f'{lr:g}' for lr in lrs)}" if len(lrs) > 1 else "")
              + (f"-seeds={seeds[0]}-{seeds[-1]}" if len(seeds) > 1 else ""))
-    def name(mu, lr, seed):  # a run's folder: its μ, and its rate and seed where there are several
-        return f"{mu}" + (f"-lr={lr:g}" if len(lrs) > 1 else "") + (f"-seed={seed}" if len(seeds) > 1 else "")
+    folder = lambda label: train_tldr.run_dir(config.output_dir, label, several)
+    name = lambda mu, lr, seed: (f"{mu}" + (f"-lr={lr:g}" if len(lrs) > 1 else "")  # a run's folder
+                                 + (f"-seed={seed}" if len(seeds) > 1 else ""))
     # Seed by seed, each through every learning rate and μ: a machine whose speed drifts during the sweep
     # slows every μ alike.
     configs = [dataclasses.replace(config, num_iterations=mu, seed=seed, learning_rate=lr,
-                                   output_dir=train_tldr.run_dir(config.output_dir, name(mu, lr, seed), several))
+                                   output_dir=folder(name(mu, lr, seed)))
                for seed in seeds for lr in lrs for mu in mus]
-    return train_tldr.run_all(config, configs, train_tldr.run_dir(config.output_dir, label, several), opts, Trainer,
-                              report)
+    return train_tldr.run_all(config, configs, folder(label), opts, Trainer, report)
 
 
 # ---- The points: train_tldr's, with each one's seconds per step and the reward carried over reuse steps ----
@@ -96,7 +99,8 @@ def run_points(config):
 
 
 def logged_runs(configs):  # the runs that logged a reward: each its μ, learning rate, seed and points
-    runs = [{"mu": c.num_iterations, "lr": c.learning_rate, "seed": c.seed, "points": run_points(c)} for c in configs]
+    runs = [{"mu": c.num_iterations, "lr": c.learning_rate, "seed": c.seed, "points": run_points(c)}
+            for c in configs]
     return [r for r in runs if generated(r["points"])]
 
 
@@ -224,51 +228,56 @@ def markdown_table(rows):  # rows: dicts with the same keys; floats to 3 signifi
 def sweep_row(mu, lr, runs, base, budget, target):
     """One row of the sweep table: the runs of one (μ, learning rate), one per seed. base: the μ = 1 runs at
     the same learning rate, or None; budget: the clocks' common ends, where every run is compared."""
-    steps = [r["points"][-1]["step"] for r in runs]
+    steps, recent = [r["points"][-1]["step"] for r in runs], [recent_reward(r["points"]) for r in runs]
     per_step = statistics.mean(map(seconds_per_step, runs))
-    clips = [p["clip_ratio_low"] + p["clip_ratio_high"] for r in runs for p in r["points"] if not p["generated"]]
+    reuse = [p for r in runs for p in r["points"] if not p["generated"]]
+    clips = [p["clip_ratio_low"] + p["clip_ratio_high"] for p in reuse]
     shares = cost_shares(base) if base else None
     worth = where_mu_pays(runs, base, shares, budget["elapsed"]) if base and mu > 1 else None
-    row = {"μ": mu, "learning rate": lr, "g, l": "—" if mu > 1 or not shares else f"{shares[0]:.2f}, {shares[1]:.2f}",
+    row = {"μ": mu, "learning rate": lr,
+           "g, l": "—" if mu > 1 or not shares else f"{shares[0]:.2f}, {shares[1]:.2f}",
            "seeds": len(runs), "steps": spread(steps),
            "generation batches": spread([math.ceil(s / mu) for s in steps]),
-           f"final reward (mean of last {RECENT} logged)": mean_sd([recent_reward(r["points"]) for r in runs])}
+           f"final reward (mean of last {RECENT} logged)": mean_sd(recent)}
     for clock, x in budget.items():
         row[f"reward by {x:.4g} {CLOCK_UNITS[clock]}"] = mean_sd([reward_by(r, clock, x) for r in runs])
     if target is not None:
         reached = [x["elapsed"] for x in (first_reaching(r["points"], target) for r in runs) if x]
-        row["time to target (median s)"] = (f"{statistics.median(reached):.3g} s, {len(reached)}/{len(runs)} seeds"
-                                            if reached else f"not reached, 0/{len(runs)} seeds")
+        row["time to target (median s)"] = (
+            f"{statistics.median(reached):.3g} s, {len(reached)}/{len(runs)} seeds" if reached
+            else f"not reached, 0/{len(runs)} seeds")
+    predicted = "—" if shares is None else 1.0 if mu == 1 else (1 - shares[0]) + sum(shares) / mu
     return {**row, "s/step": per_step, "clip fraction, reuse steps": statistics.mean(clips) if clips else "—",
             "T(μ)/T(1) measured": per_step / statistics.mean(map(seconds_per_step, base)) if base else "—",
-            "T(μ)/T(1) predicted": "—" if shares is None else 1.0 if mu == 1 else (1 - shares[0]) + sum(shares) / mu,
+            "T(μ)/T(1) predicted": predicted,
             "reuse step worth w": "—" if worth is None else worth[0],
             "μ wins per second where g >": "—" if worth is None else worth[1]}
 
 
 def table_note(budget, target):
-    notes = [f"final reward: the mean of a run's last {RECENT} logged rewards (the reward now, as --target-reward "
-             "reads it); mean ± sd: the mean over seeds, ± their standard deviation.",
-             f"reward by {budget['generated_completions']:g} completions and by {budget['elapsed']:.4g} s (the "
-             "most that every run reached): the mean reward of a run's generation batches in the last third of "
-             "that budget, mean ± sd over seeds: the same budget of samples and of time for every μ."]
+    notes = [f"final reward: the mean of a run's last {RECENT} logged rewards (the reward now, as "
+             "--target-reward reads it); mean ± sd: the mean over seeds, ± their standard deviation.",
+             f"reward by {budget['generated_completions']:g} completions and by {budget['elapsed']:.4g} s "
+             "(the most that every run reached): the mean reward of a run's generation batches in the last "
+             "third of that budget, mean ± sd over seeds: the same budget of samples and of time for every "
+             "μ."]
     if target is not None:
         notes.append("time to target: the median over the seeds that reached it, and how many did.")
-    notes += ["s/step: a run's elapsed seconds ÷ its optimizer steps (the first step's warm-up included), mean over "
-              "seeds; T(μ)/T(1) measured: μ's s/step ÷ μ = 1's at the same learning rate.",
-              "clip fraction: clip_ratio_low + clip_ratio_high on the logged steps that did not generate (reuse "
-              "steps), mean over them and the seeds; μ = 1 never clips (its π_old is π_θ itself).",
-              "T(μ)/T(1) predicted: (1 − g) + (g + l)/μ, from the μ = 1 runs at the same learning rate (g, l column): g, "
-              "the share of their seconds spent generating (time_generate, plus time_logps: with β > 0 the reference "
-              "pass, which μ > 1 also makes once per generation batch), and l, the share of a π_old log-prob pass, for "
-              "which their training forward (time_forward) stands in (it keeps activations for the backward, so "
-              "l may overstate a π_old pass, which runs without gradients).",
-              "reuse step worth w and g*: μ = 1 takes S1 updates and μ takes s* to reach half of μ = 1's gain by the "
-              "seconds budget (each run's batches joined by lines, mean over the seeds); s*/μ of μ's steps are on "
-              "fresh batches: S1 = s*/μ + w (s* − s*/μ) (w = 1: a reuse step is worth a fresh one). μ's steps "
-              "cost (1 − g) + (g + l)/μ of μ = 1's, so μ wins per second where g > g* = (1 + l/μ − S1/s*)/(1 − "
-              "1/μ) (≥ 1: nowhere); < and >: μ never got there (bounds). —: μ = 1's gain is within 2 standard errors "
-              "of 0 (where_mu_pays in experiments/lab.py)."]
+    notes += ["s/step: a run's elapsed seconds ÷ its optimizer steps (the first step's warm-up included), "
+              "mean over seeds; T(μ)/T(1) measured: μ's s/step ÷ μ = 1's at the same learning rate.",
+              "clip fraction: clip_ratio_low + clip_ratio_high on the logged steps that did not generate "
+              "(reuse steps), mean over them and the seeds; μ = 1 never clips (its π_old is π_θ itself).",
+              "T(μ)/T(1) predicted: (1 − g) + (g + l)/μ, from the μ = 1 runs at the same learning rate (g, l "
+              "column): g, the share of their seconds spent generating (time_generate, plus time_logps: with "
+              "β > 0 the reference pass, which μ > 1 also makes once per generation batch), and l, the share "
+              "of a π_old log-prob pass, for which their training forward (time_forward) stands in (it keeps "
+              "activations for the backward, so l may overstate a π_old pass, which runs without gradients).",
+              "reuse step worth w and g*: μ = 1 takes S1 updates and μ takes s* to reach half of μ = 1's "
+              "gain by the seconds budget (each run's batches joined by lines, mean over the seeds); s*/μ of "
+              "μ's steps are on fresh batches: S1 = s*/μ + w (s* − s*/μ) (w = 1: a reuse step is worth a "
+              "fresh one). μ's steps cost (1 − g) + (g + l)/μ of μ = 1's, so μ wins per second where g > "
+              "g* = (1 + l/μ − S1/s*)/(1 − 1/μ) (≥ 1: nowhere); < and >: μ never got there (bounds). —: μ = "
+              "1's gain is within 2 standard errors of 0 (where_mu_pays in experiments/lab.py)."]
     return "\n".join(f"- {note}" for note in notes)
 
 
@@ -285,10 +294,10 @@ def draw_curves(ax, runs, key, color, label):
 
 
 def draw(groups, budget, target):
-    """One learning rate: the reward against optimizer steps, completions generated and seconds, one colour per
-    μ. Several (the μ × learning-rate grid): the reward at the seconds budget against the learning rate, one
-    line per μ (mean over seeds, min-max band), then the reward against seconds and against completions at
-    each μ's best learning rate."""
+    """One learning rate: the reward against optimizer steps, completions generated and seconds, one colour
+    per μ. Several (the μ × learning-rate grid): the reward at the seconds budget against the learning rate,
+    one line per μ (mean over seeds, min-max band), then the reward against seconds and against completions
+    at each μ's best learning rate."""
     mus, lrs = sorted({mu for mu, _ in groups}), sorted({lr for _, lr in groups})
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
     clocks = CLOCKS if len(lrs) == 1 else [("lr", "learning rate"), *CLOCKS[:0:-1]]
@@ -298,7 +307,8 @@ def draw(groups, budget, target):
         best = cells[int(np.argmax([statistics.mean(v) for v in at_budget]))]
         label = f"μ={mu}" + (f", learning rate {best:g}" if len(lrs) > 1 else "")
         if len(lrs) > 1:
-            axes[0].plot(cells, [statistics.mean(v) for v in at_budget], color=color, marker="o", label=f"μ={mu}")
+            axes[0].plot(cells, [statistics.mean(v) for v in at_budget], color=color, marker="o",
+                         label=f"μ={mu}")
             axes[0].fill_between(cells, [min(v) for v in at_budget], [max(v) for v in at_budget], color=color,
                                  alpha=0.2, linewidth=0)
         for ax, (key, _) in zip(axes[len(lrs) > 1:], clocks[len(lrs) > 1:]):
@@ -327,8 +337,8 @@ def report(config, configs, folder, opts):
         groups.setdefault((run["mu"], run["lr"]), []).append(run)
     if not groups:
         return print("nothing was logged, so there is nothing to report")
-    budget = {clock: min(generated(r["points"])[-1][clock] if clock == "generated_completions"
-                         else r["points"][-1][clock] for r in runs) for clock in ("generated_completions", "elapsed")}
+    budget = {"generated_completions": min(generated(r["points"])[-1]["generated_completions"] for r in runs),
+              "elapsed": min(r["points"][-1]["elapsed"] for r in runs)}  # the most that every run reached
     seeds = sorted({r["seed"] for r in runs})
     title = f"{opts.model} on {opts.dataset}, reward -|{opts.target_chars} - len(completion)|"
     title += f", seeds {', '.join(map(str, seeds))}" if len(seeds) > 1 else ""
@@ -340,7 +350,8 @@ def report(config, configs, folder, opts):
     with open(os.path.join(folder, "sweep.jsonl"), "w") as f:
         f.writelines(json.dumps(p) + "\n" for run in runs for p in run["points"])
     with open(os.path.join(folder, "rewards.md"), "w") as f:
-        f.write(f"{title}\n\nGRPOConfig, changed from its defaults: {train_tldr.config_changes(config)}\n\n{text}\n")
+        f.write(f"{title}\n\nGRPOConfig, changed from its defaults: {train_tldr.config_changes(config)}\n\n"
+                f"{text}\n")
     print(f"\n{text}\n\nwritten: {folder}/rewards.md and sweep.jsonl")
 
 

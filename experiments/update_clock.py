@@ -5,7 +5,7 @@ the curves do not depend on this machine's speed or on what else runs on it.
 
 Arms: μ = num_iterations ∈ {1, 2, 4} at steps_per_generation = gradient_accumulation_steps, and
 steps_per_generation = 4 × gradient_accumulation_steps at μ = 1 (TRL's other reading of multi-step).
-Each arm at every learning rate of --lrs, with --seeds seeds. Every optimizer step writes a row to
+Each arm at its learning rates (RATES, or --lrs), with --seeds seeds. Every optimizer step writes a row to
 rows.jsonl (arm, lr, seed, step, completions generated, its training reward and clip fraction), and every
 --eval-every steps the held-out reward: the HELD_OUT posts of train_tldr.py (never trained on), 2
 completions each, sampled at temperature 1 from one fixed seed, the same for every arm and step.
@@ -27,6 +27,10 @@ import train_tldr  # noqa: E402
 
 ARMS = {"μ=1": dict(num_iterations=1), "μ=2": dict(num_iterations=2), "μ=4": dict(num_iterations=4),
         "S=4": dict(num_iterations=1, steps_per_generation=4)}  # S: steps_per_generation / grad. accumulation
+# Each arm's rates, a factor 2 apart around its best: 2 seeds of the grid 5e-6 ... 8e-5 put μ = 1's best at
+# 2e-5, μ = 2's and μ = 4's at 4e-5 and S = 4's at 8e-5 (5e-6 was every arm's worst: a pilot, not rerun).
+RATES = {"μ=1": [1e-5, 2e-5, 4e-5], "μ=2": [2e-5, 4e-5, 8e-5], "μ=4": [2e-5, 4e-5, 8e-5],
+         "S=4": [4e-5, 8e-5, 1.6e-4]}
 SHAPE = dict(per_device_train_batch_size=8, gradient_accumulation_steps=1, num_generations=8,
              max_prompt_length=128, max_completion_length=32, temperature=1.0, beta=0.0,
              lr_scheduler_type="constant", logging_steps=1, save_steps=10**6, overwrite_output_dir=True)
@@ -74,7 +78,7 @@ def read(path):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--lrs", type=float, nargs="+", default=[1e-5, 2e-5, 4e-5, 8e-5])
+    p.add_argument("--lrs", type=float, nargs="+", help="the same rates for every arm (default: RATES)")
     p.add_argument("--seeds", type=int, default=6)
     p.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
     p.add_argument("--max-steps", type=int, default=16)
@@ -94,7 +98,7 @@ def main(argv=None):
     done = {(r["arm"], r["lr"], r["seed"]) for r in rows if r["end"]}
     first = opts.worker == 0 and not any(r["step"] == 0 for r in rows)  # the untrained model, once
     # Seed-major: a sweep cut short has every cell at fewer seeds, not some cells at none.
-    runs = [(arm, lr, 42 + s) for s in range(opts.seeds) for lr in opts.lrs for arm in opts.arms]
+    runs = [(arm, lr, 42 + s) for s in range(opts.seeds) for arm in opts.arms for lr in opts.lrs or RATES[arm]]
     for i, (arm, lr, seed) in enumerate(runs):
         if i % opts.workers != opts.worker or (arm, lr, seed) in done:
             continue

@@ -2,7 +2,8 @@
 
     python docs/cpu-benchmark/memory.py [STEPS] [train_tldr.py flags ...]
 
-Runs `train_tldr.py` on the benchmark's μ = 1, β = 0 configuration for STEPS optimizer steps (default
+Runs train_tldr.py's training on the benchmark's μ = 1, β = 0 configuration (experiments/benchmark.py's shape,
+completions ending at EOS) for STEPS optimizer steps (default
 3; extra flags are passed on, e.g. `--gradient_checkpointing True`), with
 - a thread that reads the process's RSS every 2 ms and keeps the highest value of each phase
   (generate, old/ref log-probs, forward, backward, optimizer; "between" is everything else);
@@ -25,6 +26,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 import grpo_multistep  # noqa: E402
 import train_tldr  # noqa: E402
+from experiments import benchmark  # noqa: E402
 
 GIB = 2**30
 PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -117,10 +119,11 @@ def main(argv):
     in_phase(torch.Tensor, "backward", "backward")
     in_phase(torch.optim.AdamW, "step", "optimizer")
     threading.Thread(target=sample, daemon=True).start()
-    train_tldr.Trainer = Trainer
-    benchmark = {**train_tldr.BENCHMARK, "num_iterations": 1, "beta": 0.0, "logging_steps": 1,
-                 "max_steps": steps, "output_dir": "/tmp/grpo-memory"}
-    train_tldr.main(["--preset=cpu", *[f"--{k}={v}" for k, v in benchmark.items()], *flags])
+    run = {"num_iterations": 1, "beta": 0.0, "logging_steps": 1, "max_steps": steps,
+           "output_dir": "/tmp/grpo-memory"}
+    config, opts = benchmark.parse_args([*(f"--{k}={v}" for k, v in run.items()), *flags])  # its shape first
+    opts.script, opts.argv = os.path.relpath(__file__), argv
+    train_tldr.run_all(config, [config], config.output_dir, opts, Trainer, report=lambda *args: None)
     w = weight_bytes[0] / GIB
     print(f"weights {w:.2f} GiB, gradients {w:.2f} GiB, AdamW's two moments {2 * w:.2f} GiB: {4 * w:.2f} GiB")
 

