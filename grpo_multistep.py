@@ -15,8 +15,8 @@ With μ = 1, π_θ *is* π_old: old_logp = logp.detach(), no extra forward pass,
 that of the single-step GRPO loss -exp(logp - logp.detach()) · A.
 
 Part I is the algorithm, in the order of Algorithm 1; Part II, the engineering it calls in one line each.
-Left out on purpose: vLLM and `model.generate` (a plain sampling loop is exactly the distribution that the
-log-probs describe), DeepSpeed and FSDP (a gradient all-reduce serves models that fit one GPU), warmup.
+Left out on purpose: vLLM and `model.generate` (a plain loop samples exactly what the log-probs describe),
+DeepSpeed and FSDP (all-reduce serves models that fit a GPU), warmup, Algorithm 1's π_ref ← π_θ resets.
 """
 import copy, fnmatch, functools, importlib.util, itertools, json, math, numbers, os, random, shutil, signal
 import sys, tempfile, threading, time, typing, warnings
@@ -67,7 +67,7 @@ class GRPOConfig:
                                  "#2899's), 'dapo' (token mean over the step) or 'dr_grpo'.")
     scale_rewards: str = arg("group", "'group': divide advantages by the group's reward std; 'none': don't.")
     reward_weights: list[float] | None = arg(None, "One weight per reward function (None = all 1).")
-    model_init_kwargs: dict | str | None = arg(None, "from_pretrained's kwargs (or JSON); dtype: float32.")
+    model_init_kwargs: dict | str | None = arg(None, "from_pretrained's kwargs (JSON too); default float32.")
     bf16: bool = arg(False, "bfloat16 autocast for every model call (fast on GPUs, emulated on most CPUs).")
     gradient_checkpointing: bool = arg(False, "Recompute activations in backward: less memory, more time.")
     logging_steps: int = arg(10, "Log averaged metrics every this many optimizer steps.")
@@ -254,7 +254,7 @@ class GRPOTrainer:
                 if self.step % (args.num_iterations * S) == 0:         # a new generation batch
                     self.batch, metrics = self.generate_and_score(self.step // (args.num_iterations * S))
                 minibatch = list(micro_batches(self.batch, len(self.batch["advantages"]) // S))[self.step % S]
-                metrics.update(self.optimizer_step(minibatch))            # mini-batch step % S, once more
+                metrics.update(self.optimizer_step(minibatch))  # mini-batch step % S: μ passes over the S
                 self.step += 1
                 end_of_step(self, metrics)               # log, checkpoint, stop on trouble (Part II)
             save_checkpoint(self, final=True)            # and the trained model, into output_dir (Part II)

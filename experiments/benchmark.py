@@ -179,9 +179,9 @@ def cost_model(rows, config):
         measured = row[cycle_row]["total"] / one["total"] if cycle_row in row else None
         arms.append({"arm": arm, "T(μ, S)/T(1, 1) predicted": f"{predicted:.3f}", "measured": "—"
                      if measured is None else f"{measured:.3f}", "break-even worth w*": f"{w_star:.3f}"})
-        if measured_worth and arm in measured_worth["w"]:  # None: a bound that was not finite
+        if measured_worth and arm in measured_worth["w"]:  # None: beyond μ = 1's curve (w > 1)
             w, low, high = measured_worth["w"][arm]
-            shown = ["n/a" if x is None else f"{x:.2f}" for x in (w, low, high)]
+            shown = ["> 1" if x is None else f"{x:.2f}" for x in (w, low, high)]  # None: past μ = 1's curve
             arms[-1]["measured worth w [interval]"] = f"{shown[0]} [{shown[1]}, {shown[2]}]"
             arms[-1]["here"] = ("pays" if low is not None and low > w_star else "does not pay"
                                 if high is not None and high < w_star else "undecided")

@@ -314,7 +314,7 @@ def test_the_cost_model_from_known_rows(monkeypatch, tmp_path):
     assert arms["here"] == ["does not pay", "pays", "undecided"] and "SmolLM2-135M, 16 steps" in text
     (tmp_path / "summary.json").write_text(json.dumps({"setting": "x", "w": {"μ=4": [None, 0.5, None]}}))
     arms = tables_of(benchmark.cost_model(rows, config))  # bounds not finite: the finite one decides
-    assert arms["measured worth w [interval]"] == ["—", "n/a [0.50, n/a]", "—"] and arms["here"][1] == "pays"
+    assert arms["measured worth w [interval]"] == ["—", "> 1 [0.50, > 1]", "—"] and arms["here"][1] == "pays"
     assert "need the μ = 1, μ = 4 and S = 4" in benchmark.cost_model(rows[1:], config)
 
 

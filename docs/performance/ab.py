@@ -1,12 +1,13 @@
 """A/B timing of whole versions of the project, side by side, on one machine at one time.
 
-    python docs/performance/ab.py [--steps 4] [--rounds 1] LABEL=FOLDER [LABEL=FOLDER ...]
+    python docs/performance/ab.py [--steps 4] [--rounds 1] [--dataset FILE] LABEL=FOLDER [LABEL=FOLDER ...]
 
 Each FOLDER is a checkout of the project (for example `git worktree add /tmp/before <commit>`).
 Each round runs every folder once, in turn, in a fresh process, on the μ = 1, β = 0 configuration
 of `train_tldr.py --benchmark` (SmolLM2-135M-Instruct in float32, 4 prompts × 8 completions per
 optimizer step, 64-token prompts and completions). It prints, per folder, the median seconds per
 optimizer step (steps after the first), each phase's median, and the peak RSS of the process.
+--dataset: a prompts file for every version (versions whose embedded prompts differ then draw the same ones).
 """
 import argparse
 import json
@@ -21,8 +22,9 @@ FLAGS = ("--preset cpu --per_device_train_batch_size 8 --gradient_accumulation_s
 PHASES = ("generate", "forward", "backward", "optimizer")
 
 
-def run(folder, steps, out):
-    cmd = [sys.executable, "train_tldr.py", *FLAGS.split(), "--max_steps", str(steps), "--output_dir", out]
+def run(folder, steps, out, dataset=None):
+    cmd = [sys.executable, "train_tldr.py", *FLAGS.split(), "--max_steps", str(steps), "--output_dir", out,
+           *(["--dataset", dataset] if dataset else [])]
     subprocess.run(cmd, cwd=folder, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     with open(os.path.join(out, "metrics.jsonl")) as f:
         records = [json.loads(line) for line in f]
@@ -36,13 +38,15 @@ def main():
     parser.add_argument("versions", nargs="+", help="LABEL=FOLDER")
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--dataset")
     opts = parser.parse_args()
     versions = dict(v.split("=", 1) for v in opts.versions)
     results = {label: {"step": [], **{p: [] for p in PHASES}, "rss": []} for label in versions}
     for r in range(opts.rounds):
         for label, folder in versions.items():
             with tempfile.TemporaryDirectory() as out:
-                got = run(os.path.abspath(folder), opts.steps, out)
+                dataset = opts.dataset and os.path.abspath(opts.dataset)
+                got = run(os.path.abspath(folder), opts.steps, out, dataset)
             for k, v in got.items():
                 results[label][k] += v if isinstance(v, list) else [v]
             print(f"round {r + 1} {label}: " + ", ".join(f"{s:.1f}" for s in got["step"]) + f" s/step, "
