@@ -38,7 +38,7 @@ def test_the_worth_of_an_off_policy_step_in_fresh_steps(reward, w):
     assert r.worth(BASE, reward, 16, fresh=4) == pytest.approx(w)
 
 
-def seeds(*offsets):  # one run per seed: the base curve shifted by the seed's offset
+def seeds(*offsets):  # one run per seed: the base curve shifted by its offset
     return {s: {k: v + o for k, v in BASE.items()} for s, o in enumerate(offsets)}
 
 
