@@ -960,6 +960,9 @@ def test_the_hub_counts_as_reachable_when_it_answers_at_all(monkeypatch):
     for name in ("http_proxy", "HTTP_PROXY", "https_proxy", "HTTPS_PROXY"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    # huggingface_hub read HF_HUB_OFFLINE when it was imported: a shell that exports it (offline users do)
+    # set its client offline before this test began
+    monkeypatch.setattr(gm.huggingface_hub.constants, "HF_HUB_OFFLINE", False)
     try:
         monkeypatch.setattr(gm.huggingface_hub.constants, "ENDPOINT", f"http://127.0.0.1:{server.server_port}")
         assert gm.hub_reachable()
