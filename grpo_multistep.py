@@ -491,7 +491,7 @@ def end_of_step(trainer, metrics):  # log every logging_steps, checkpoint every 
 def write_metrics(trainer, metrics):
     if trainer.rank == 0:
         with open(os.path.join(trainer.args.output_dir, "metrics.jsonl"), "a") as f:
-            f.write(json.dumps(metrics) + "\n")
+            f.write(json.dumps({k: v if math.isfinite(v) else None for k, v in metrics.items()}) + "\n")
         print(" | ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in metrics.items()))
         for prompt, completion, reward in trainer.samples[:4] if trainer.args.log_completions else []:
             prompt = prompt if isinstance(prompt, str) else prompt[-1]["content"]  # a chat's last turn

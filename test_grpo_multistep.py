@@ -1577,6 +1577,16 @@ def test_rewards_that_never_differ_within_a_group_are_noticed_once(tmp_path, var
     assert all(word in messages[0] for word in ("does not vary", "temperature", "collapsed", "learning rate"))
 
 
+def test_metrics_jsonl_is_strict_json_with_null_where_a_reward_never_applied(tmp_path):
+    """A reward function that returns None for a whole batch has no mean: null in metrics.jsonl, not NaN,
+    which strict JSON readers (jq, JSON.parse) refuse."""
+    make_trainer(tmp_path, reward_funcs=[short_is_good, never_applies], max_steps=1).train()
+    def refuse(constant):
+        raise ValueError(f"{constant} is not JSON")
+    row = json.loads(open(tmp_path / "out" / "metrics.jsonl").readline(), parse_constant=refuse)
+    assert row["rewards/never_applies"] is None and row["rewards/short_is_good"] >= 0
+
+
 def test_reward_functions_with_the_same_name_keep_a_metric_each(tmp_path):
     """Two lambdas (or two closures of one factory) are both named "<lambda>": numbered, not merged."""
     ones, twos = (lambda completions, **kw: [1.0] * len(completions)), (lambda completions, **kw: [2.0] * len(completions))
