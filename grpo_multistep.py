@@ -344,8 +344,7 @@ def per_token_logps(model, prompt_ids, prompt_mask, completion_ids, completion_m
     logps = [TokenLogps.apply(h, y, temperature, head.weight, head.bias) for h, y in pairs]  # log π(y)
     return torch.cat(logps).view_as(completion_ids)                                       # (b, C)
 
-# Prompt sharing: a group's G completions attend to one pass over their prompt (KV cache, with gradients):
-# B·P + B·G·C tokens instead of B·G·(P + C), 44 % fewer at P = C = 64, G = 8.
+# Prompt sharing: B·P + B·G·C tokens, not B·G·(P + C): G completions attend to one pass over their prompt
 def shared_prompt_hidden_states(model, prompt_ids, prompt_mask, completion_ids, mask):
     decoder, P, positions = model.get_decoder(), prompt_ids.size(1), position_ids(mask)     # (b, P+C)
     first = torch.ones(len(prompt_ids), dtype=torch.bool, device=prompt_ids.device)  # (b,): a prompt's first
@@ -488,17 +487,19 @@ def end_of_step(trainer, metrics):  # log every logging_steps, checkpoint every 
     stop = all_reduce(trainer, torch.tensor(float(trainer.should_stop), device=trainer.device))
     trainer.should_stop = bool(stop > 0)  # log() may ask to stop (a target reached): every rank stops here
 
+def strict_json(m):  # what jq and JSON.parse read: null for a float that is not finite (NaN, inf)
+    return json.dumps({k: v if type(v) is not float or math.isfinite(v) else None for k, v in m.items()})
+
 def write_metrics(trainer, metrics):
     if trainer.rank == 0:
         with open(os.path.join(trainer.args.output_dir, "metrics.jsonl"), "a") as f:
-            f.write(json.dumps({k: v if math.isfinite(v) else None for k, v in metrics.items()}) + "\n")
+            f.write(strict_json(metrics) + "\n")
         print(" | ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in metrics.items()))
         for prompt, completion, reward in trainer.samples[:4] if trainer.args.log_completions else []:
             prompt = prompt if isinstance(prompt, str) else prompt[-1]["content"]  # a chat's last turn
             print(f"  [reward {reward:+.3f}] {prompt[-60:]!r} -> {completion[:100]!r}")
 
-# Checkpoints (atomic, loaded without running code, resumed bit-identically on CPU): rank 0 holds every rank's
-# state of the last finished step (its snapshot) and alone saves it on Ctrl-C, SIGTERM, SIGHUP or an error.
+# Checkpoints: atomic, run no code, resume bit-identically; rank 0 saves every rank's last finished step
 def stop_for(signum):  # Ctrl-C: KeyboardInterrupt; SIGTERM (preemption), SIGHUP (ssh lost): exit 128 + signum
     return KeyboardInterrupt() if signum == signal.SIGINT else SystemExit(128 + signum)
 
@@ -840,8 +841,7 @@ def load_policy(model, processing_class, peft_config, args, device):  # checked 
                 "scaling, an adapter on lm_head or the input?): per_token_logps's log-probs would be wrong")
     return model, tokenizer
 
-# Trainable weights must be float32: an AdamW step (~lr, 1e-6) to a weight near 0.01 rounds away in bf16 (its
-# spacing: 6e-5). Refused, not master-copied: float32 weights under bf16=True's autocast are mixed precision.
+# Float32 trainable weights: bf16 rounds a 1e-6 AdamW step to a 0.01 weight away (bf16=True: mixed precision)
 def check_trainable(model):  # at construction, and at train(): after a trainer.model.to(torch.bfloat16)?
     dtypes = ", ".join(sorted({str(p.dtype) for p in model.parameters() if p.requires_grad})) or "none"
     require(dtypes == "torch.float32", f"{type(model).__name__}'s trainable weights are {dtypes}: train "

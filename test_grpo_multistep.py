@@ -1585,6 +1585,7 @@ def test_metrics_jsonl_is_strict_json_with_null_where_a_reward_never_applied(tmp
         raise ValueError(f"{constant} is not JSON")
     row = json.loads(open(tmp_path / "out" / "metrics.jsonl").readline(), parse_constant=refuse)
     assert row["rewards/never_applies"] is None and row["rewards/short_is_good"] >= 0
+    assert gm.strict_json({"step": 2, "run": "a", "grad_norm": math.inf}) == '{"step": 2, "run": "a", "grad_norm": null}'
 
 
 def test_reward_functions_with_the_same_name_keep_a_metric_each(tmp_path):

@@ -196,8 +196,8 @@ class Trainer(GRPOTrainer):
             metrics["peak_cuda_gib"] = torch.cuda.max_memory_allocated() / 2**30
         if self.rank != 0:  # under torchrun one set of files and lines
             return
-        with open(os.path.join(self.args.output_dir, "metrics.jsonl"), "a") as f:  # strict JSON: NaN as null
-            f.write(json.dumps({k: v if math.isfinite(v) else None for k, v in metrics.items()}) + "\n")
+        with open(os.path.join(self.args.output_dir, "metrics.jsonl"), "a") as f:
+            f.write(gm.strict_json(metrics) + "\n")  # null, not NaN
         fresh, clip = "reward" in metrics, metrics["clip_ratio_low"] + metrics["clip_ratio_high"]
         new = f"  reward {metrics['reward']:.4g}" if fresh else ""  # a generation batch: its samples, once
         print(f"step {metrics['step']}/{self.args.max_steps}{new}  clip {clip:.3g}  "
