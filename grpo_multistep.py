@@ -18,10 +18,10 @@ Part I is the algorithm, in the order of Algorithm 1; Part II, the engineering i
 Left out on purpose: vLLM and `model.generate` (a plain loop samples exactly what the log-probs describe),
 DeepSpeed and FSDP (all-reduce serves models that fit a GPU), warmup, Algorithm 1's π_ref ← π_θ resets.
 """
-import copy, fnmatch, functools, importlib.util, itertools, json, math, numbers, os, random, shutil, signal
-import sys, tempfile, threading, time, typing, warnings
+import copy, functools, importlib.util, itertools, json, math, numbers, os, random, shutil, signal
+import pathlib, re, sys, tempfile, threading, time, typing, warnings
 from collections import abc, defaultdict
-from contextlib import contextmanager, nullcontext, suppress
+from contextlib import ExitStack, contextmanager, nullcontext, suppress
 from dataclasses import asdict, dataclass, field
 
 import huggingface_hub, numpy, safetensors.torch, torch
@@ -121,6 +121,9 @@ def generate_completions(model, tokenizer, prompt_ids, prompt_mask, args, eos_to
     EOS (any of eos_token_ids; None: the tokenizer's). Returns the prompts repeated G times (B·G, P), the
     completions (B·G, C), padded after their EOS, and their mask."""
     G, C, eos = args.num_generations, args.max_completion_length, tokenizer.eos_token_id
+    n = getattr(model.config, "max_position_embeddings", None) or math.inf  # (GPT-2's table: IndexError past it)
+    require(prompt_ids.size(1) + C <= n, f"prompts of {prompt_ids.size(1)} tokens + max_completion_length={C} "
+            f"exceed the model's {n} positions: lower max_prompt_length or max_completion_length")
     eos = torch.as_tensor(eos if eos_token_ids is None else eos_token_ids, device=prompt_ids.device)
     positions = position_ids(prompt_mask)                                                 # (B, P)
     out = model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=positions, use_cache=True,
@@ -337,26 +340,22 @@ def per_token_logps(model, prompt_ids, prompt_mask, completion_ids, completion_m
         hidden = model.get_decoder()(input_ids=torch.cat([prompt_ids, completion_ids], 1),
                                      attention_mask=mask, position_ids=position_ids(mask)).last_hidden_state
         hidden = hidden[:, prompt_ids.size(1) - 1:-1]                                     # (b, C, H)
-    else:  # the same states, with each group's prompt run once for its G completions (below)
-        hidden = shared_prompt_hidden_states(model, prompt_ids, prompt_mask, completion_ids, mask)
+    else:  # prompt sharing: B·P + B·G·C tokens, not B·G·(P + C): G completions attend to one pass over it
+        decoder, P, positions = model.get_decoder(), prompt_ids.size(1), position_ids(mask)  # (b, P+C)
+        first = torch.ones(len(prompt_ids), dtype=torch.bool, device=mask.device)  # (b,): a prompt's 1st row
+        first[1:] = ((prompt_ids[1:] != prompt_ids[:-1]) | (prompt_mask[1:] != prompt_mask[:-1])).any(1)
+        prompt_of = first.cumsum(0) - 1                                            # (b,): each row's prompt
+        prompt = decoder(input_ids=prompt_ids[first], attention_mask=prompt_mask[first],
+                         position_ids=positions[first, :P], use_cache=True)
+        prompt.cache.batch_select_indices(prompt_of)                      # (b, heads, P, d) keys, values
+        completion = decoder(input_ids=completion_ids, attention_mask=mask, position_ids=positions[:, P:],
+                             cache=prompt.cache, use_cache=True).last_hidden_state         # (b, C, H)
+        # The prompt's last state predicts completion token 0; completion token t's state predicts t+1.
+        hidden = torch.cat([prompt.last_hidden_state[prompt_of, -1:], completion[:, :-1]], 1)  # (b, C, H)
     head = model.get_output_embeddings()  # logits = lm_head(hidden), as load_policy checks
     pairs = zip(hidden.flatten(0, 1).split(CHUNK), completion_ids.flatten().split(CHUNK))  # (n, H), (n,)
     logps = [TokenLogps.apply(h, y, temperature, head.weight, head.bias) for h, y in pairs]  # log π(y)
     return torch.cat(logps).view_as(completion_ids)                                       # (b, C)
-
-# Prompt sharing: B·P + B·G·C tokens, not B·G·(P + C): G completions attend to one pass over their prompt
-def shared_prompt_hidden_states(model, prompt_ids, prompt_mask, completion_ids, mask):
-    decoder, P, positions = model.get_decoder(), prompt_ids.size(1), position_ids(mask)     # (b, P+C)
-    first = torch.ones(len(prompt_ids), dtype=torch.bool, device=prompt_ids.device)  # (b,): a prompt's first
-    first[1:] = ((prompt_ids[1:] != prompt_ids[:-1]) | (prompt_mask[1:] != prompt_mask[:-1])).any(1)
-    prompt_of = first.cumsum(0) - 1                                                # (b,): each row's prompt
-    prompt = decoder(input_ids=prompt_ids[first], attention_mask=prompt_mask[first],
-                     position_ids=positions[first, :P], use_cache=True)
-    prompt.cache.batch_select_indices(prompt_of)                          # (b, heads, P, d) keys, values
-    completion = decoder(input_ids=completion_ids, attention_mask=mask, position_ids=positions[:, P:],
-                         cache=prompt.cache, use_cache=True).last_hidden_state             # (b, C, H)
-    # The prompt's last state predicts completion token 0; completion token t's state predicts t+1.
-    return torch.cat([prompt.last_hidden_state[prompt_of, -1:], completion[:, :-1]], 1)    # (b, C, H)
 
 # The LM head, CHUNK tokens at a time: log π(y) = z_y - logsumexp(z), z = (h Wᵀ + b) / T; forward keeps h,
 # logsumexp(z); backward redoes z in place into onehot(y) - softmax(z): vs checkpointing, -0.27 GiB, -5 % time
@@ -477,10 +476,12 @@ def end_of_step(trainer, metrics):  # log every logging_steps, checkpoint every 
     for k, v in metrics.items():
         trainer.window[k].append(v)
     if trainer.step % trainer.args.logging_steps == 0 or trainer.step == trainer.args.max_steps:
+        trainer.saving += 1  # a signal waits for log() (a tracker's upload): a step saved is a step logged
         trainer.log({"step": trainer.step, **{k: sum(v) / len(v) for k, v in trainer.window.items()},
                      "elapsed": trainer.snapshot[trainer.rank]["elapsed"]})
+        trainer.saving -= 1  # (if log() fails, train() ends: no need to undo it)
         trainer.window.clear()
-    if trainer.signal:  # it came during the update, which ended first
+    if trainer.signal:  # it came during the update or log(), which ended first
         raise stop_for(trainer.signal)
     if trainer.step % trainer.args.save_steps == 0 and trainer.step < trainer.args.max_steps:
         save_checkpoint(trainer)
@@ -500,7 +501,7 @@ def write_metrics(trainer, metrics):
             print(f"  [reward {reward:+.3f}] {prompt[-60:]!r} -> {completion[:100]!r}")
 
 # Checkpoints: atomic, run no code, resume bit-identically; rank 0 saves every rank's last finished step
-def stop_for(signum):  # Ctrl-C: KeyboardInterrupt; SIGTERM (preemption), SIGHUP (ssh lost): exit 128 + signum
+def stop_for(signum):  # Ctrl-C: KeyboardInterrupt; SIGTERM (preemption), SIGHUP (ssh lost), ...: 128 + signum
     return KeyboardInterrupt() if signum == signal.SIGINT else SystemExit(128 + signum)
 
 def start_run(trainer, resume_from_checkpoint):  # check again; resume, or start where no run's work is lost
@@ -509,25 +510,42 @@ def start_run(trainer, resume_from_checkpoint):  # check again; resume, or start
     check_inputs(args, trainer.reward_funcs)
     check_trainable(trainer.model)  # float32 still (trainer.model.to(...) since?): refused before AdamW fails
     require(args.beta == 0 or trainer.ref_model is not None, "beta was 0 at construction: no reference model")
+    trained = {id(p) for group in trainer.optimizer.param_groups for p in group["params"]}
+    require(trained == {id(p) for p in trainer.model.parameters() if p.requires_grad}, "trainer.model's "
+            "trainable weights are not its optimizer's (a model replaced, or frozen since): make a new one")
     model_dir = trainer.model.config._name_or_path
     require(not (os.path.isdir(model_dir) and os.path.samefile(model_dir, out)), f"output_dir {out!r} is the "
             "model's own folder, which the run would overwrite: choose another output_dir")
-    if args.gradient_checkpointing and not trainer.model.is_activation_checkpointing:  # set after loading
+    trainer.model.activation_checkpointing_disable()  # as the config says now: set or unset since loading
+    if args.gradient_checkpointing:
         trainer.model.activation_checkpointing_enable({"use_reentrant": False})
-    earlier = list_checkpoints(out) + [p for p in [os.path.join(out, "metrics.jsonl")] if os.path.exists(p)]
-    folder = os.path.dirname(os.path.abspath(path)) if isinstance(path, (str, os.PathLike)) else out
-    own = bool(path) and os.path.realpath(folder) == os.path.realpath(out)  # resuming output_dir's own run
-    require(own or not earlier or args.overwrite_output_dir, f"output_dir {out!r} holds another run ("
-            f"{', '.join(map(os.path.basename, earlier))}): resume it with train(resume_from_checkpoint="
-            "True), choose another output_dir, or set overwrite_output_dir=True (deletes it, starts afresh)")
-    if earlier and not own and trainer.rank == 0:  # its checkpoints, metrics and final model
-        for p in earlier + final_model_files(out):
-            (shutil.rmtree if os.path.isdir(p) else os.remove)(p)
-    new_run(trainer)
-    if path:
-        load_checkpoint(trainer, path)
-    trainer.saved_step = trainer.step if own else None  # a checkpoint is written once, never replaced
-    trainer.snapshot = gather_snapshot(trainer)
+    trainer.on_exit = ExitStack()  # closed at the end of train(): signal handlers back, output_dir unlocked
+    try:  # one run per output_dir: rank 0 flocks it (the kernel frees a killed process's; Windows: no fcntl)
+        if trainer.rank == 0 and os.name == "posix":
+            trainer.on_exit.callback(os.close, fd := os.open(out, os.O_RDONLY))
+            try:
+                (fcntl := importlib.import_module("fcntl")).flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise ValueError(f"output_dir {out!r} is in use by another process's run: wait for it to "
+                                 "end, or choose another output_dir") from None
+        folder = os.path.dirname(os.path.abspath(path)) if isinstance(path, (str, os.PathLike)) else out
+        own, earlier = bool(path) and os.path.realpath(folder) == os.path.realpath(out), run_files(out)
+        names = ", ".join(map(os.path.basename, earlier))  # own: resuming output_dir's own run
+        require(own or not earlier or args.overwrite_output_dir, f"output_dir {out!r} holds another run ("
+                f"{names}): resume it with train(resume_from_checkpoint=True), choose another output_dir, or "
+                "set overwrite_output_dir=True (deletes it, starts afresh)")
+        if earlier and not own and trainer.rank == 0:  # what that run wrote, and nothing else
+            warnings.warn(f"overwrite_output_dir: deleting {out!r}'s earlier run: {names}", stacklevel=3)
+            for p in earlier:
+                (shutil.rmtree if os.path.isdir(p) else os.remove)(p)
+        new_run(trainer)
+        if path:
+            load_checkpoint(trainer, path)
+        trainer.saved_step = trainer.step if own else None  # a checkpoint is written once, never replaced
+        trainer.snapshot = gather_snapshot(trainer)
+    except BaseException:
+        trainer.on_exit.close()
+        raise
 
 def new_run(trainer):  # step 0, seeded; no counter, clock or gradient of an earlier train() (weights stay)
     trainer.step, trainer.batch, trainer.samples = 0, None, []  # batch: a μ cycle's cached generation batch
@@ -549,7 +567,8 @@ def lr_schedule(trainer, step=0):  # AdamW's learning rate from `step` on: linea
 def gather_snapshot(trainer):  # each rank's RNG states, samples, elapsed and, inside a μ cycle, batch (CPU)
     inside_a_cycle = trainer.step % (trainer.args.num_iterations * mini_batches_per_generation(trainer.args))
     batch = {k: v.cpu() for k, v in trainer.batch.items()} if inside_a_cycle else None
-    rng = dict(python=random.getstate(), torch=torch.get_rng_state(), cuda=torch.cuda.get_rng_state_all())
+    rng = dict(python=random.getstate(), torch=torch.get_rng_state(), cuda=torch.cuda.get_rng_state_all(),
+               numpy=[(n := numpy.random.get_state())[0], n[1].tolist(), *n[2:]])  # a list: weights_only
     this_rank = {"step": trainer.step, "rng": rng, "samples": trainer.samples, "batch": batch,
                  "elapsed": time.perf_counter() - trainer.start_time}
     ranks = [this_rank] * trainer.world_size  # on rank 0, every rank's; elsewhere its own
@@ -565,10 +584,11 @@ def checkpoint_on_failure(trainer):
             raise stop_for(signum)
     main = threading.current_thread() is threading.main_thread()  # the only thread that can set handlers
     if not main:
-        warnings.warn("train() runs outside the main thread, where signals cannot be caught: Ctrl-C, SIGTERM "
-                      "or SIGHUP would end it without a checkpoint of its finished steps", stacklevel=3)
-    stops = [getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, name)]
-    previous = {s: signal.signal(s, on_signal) for s in stops} if main else {}
+        warnings.warn("train() runs outside the main thread, where signals cannot be caught: Ctrl-C or "
+                      "SIGTERM would end it without a checkpoint of its finished steps", stacklevel=3)
+    names = "SIGINT SIGTERM SIGHUP SIGUSR1 SIGQUIT".split() if main else []  # USR1: SLURM's --signal=USR1@<s>
+    for s in [getattr(signal, name) for name in names if hasattr(signal, name)]:  # each restored at the end
+        trainer.on_exit.callback(signal.signal, s, signal.signal(s, on_signal))
     try:
         yield
     except BaseException as e:
@@ -581,63 +601,77 @@ def checkpoint_on_failure(trainer):
             raise stop_for(trainer.signal) from e  # a collective that failed as another rank stopped
         raise
     finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
+        trainer.on_exit.close()  # the signal handlers as they were; output_dir unlocked
 
 def save_checkpoint(trainer, final=False):  # rank 0, from the last finished step's snapshot: no collective
-    args, step = trainer.args, trainer.step
-    folder = os.path.join(args.output_dir, f"checkpoint-{step}")
+    args, step, out = trainer.args, trainer.step, trainer.args.output_dir
+    folder, model_tmp = os.path.join(out, f"checkpoint-{step}"), os.path.join(out, "final-model.tmp")
     trainer.saving += 1  # a signal that comes while files are written waits for them to be complete
     try:
         if trainer.rank == 0 and trainer.saved_step != step:  # (else written already, or resumed from)
             shutil.rmtree(folder + ".tmp", ignore_errors=True)
             trainer.model.save_pretrained(folder + ".tmp")
-            torch.save({"step": step, "optimizer": trainer.optimizer.state_dict(), "config": asdict(args),
+            torch.save({"step": step, "optimizer": trainer.optimizer.state_dict(), "ranks": trainer.snapshot,
+                        "config": {**asdict(args), "train_dataset": trainer.dataset._fingerprint},
                         "lr_step": trainer.scheduler.last_epoch, "world_size": trainer.world_size,
-                        "ranks": trainer.snapshot, "nonfinite_in_a_row": trainer.nonfinite_in_a_row},
-                       f"{folder}.tmp/trainer_state.pt")
+                        "nonfinite_in_a_row": trainer.nonfinite_in_a_row}, f"{folder}.tmp/trainer_state.pt")
             os.replace(folder + ".tmp", folder)  # atomic: a checkpoint folder is complete or absent
-            for old in list_checkpoints(args.output_dir)[:-(args.save_total_limit or 0)]:  # None: keep all
+            for old in list_checkpoints(out)[:-(args.save_total_limit or 0)]:  # None: keep all
                 shutil.rmtree(old)
             trainer.saved_step = step
-        if final and trainer.rank == 0:  # the model, for from_pretrained(output_dir)
-            trainer.model.save_pretrained(args.output_dir)
-            trainer.tokenizer.save_pretrained(args.output_dir)
+        if final and trainer.rank == 0:  # the model, for from_pretrained(output_dir), and a list of its files
+            for save in (trainer.model.save_pretrained, trainer.tokenizer.save_pretrained):
+                save(model_tmp)
+            for name in (names := os.listdir(model_tmp)):
+                os.replace(os.path.join(model_tmp, name), os.path.join(out, name))
+            os.rmdir(model_tmp)  # then the list: overwrite and roll back touch these, no other file there
+            pathlib.Path(out, "final_model_files.json").write_text(json.dumps(names))
+    except Exception as e:  # a failed write (disk full: torch names neither the cause nor the path) says where
+        where = [p for p in (folder + ".tmp", model_tmp) if os.path.exists(p) and not shutil.rmtree(p, True)]
+        raise OSError(f"could not write {' or '.join(where) or out} ({shutil.disk_usage(out).free / 2**30:.2f}"
+                      f" GiB free on its disk): {type(e).__name__}: {e}") from e
     finally:
         trainer.saving -= 1
     if trainer.signal and not trainer.saving:
         raise stop_for(trainer.signal)
 
 def load_checkpoint(trainer, path):
-    shape = ("num_iterations", "steps_per_generation", "num_generations", "per_device_train_batch_size",
-             "gradient_accumulation_steps", "world_size")  # what its batch, prompts and RNG depend on
+    shape = ("num_iterations steps_per_generation num_generations per_device_train_batch_size "
+             "gradient_accumulation_steps world_size").split()  # what its batch, prompts and RNG depend on
     cached = ("temperature", "beta", "scale_rewards", "reward_weights")  # what its cached batch was made with
     args, found = trainer.args, list_checkpoints(trainer.args.output_dir) if path is True else [path]
-    require(found, f"resume_from_checkpoint=True but {args.output_dir!r} holds no checkpoint")
+    require(found, f"resume_from_checkpoint=True but {args.output_dir!r} holds no checkpoint (a run stopped "
+            "before its first save leaves none): start afresh (overwrite_output_dir=True if one is there)")
     path, file = found[-1], os.path.join(found[-1], "trainer_state.pt")
     require(os.path.isfile(file), f"resume_from_checkpoint={path!r} is not a checkpoint: "
             + ("no trainer_state.pt in it" if os.path.isdir(path) else "no such folder"))
-    try:  # tensors and plain Python values only: a checkpoint from elsewhere cannot run code
+    try:  # tensors and plain Python values only (no pickled pytorch_model.bin): it cannot run code
         state, peft = torch.load(file, map_location=trainer.device, weights_only=True), is_peft(trainer.model)
         file = os.path.join(path, "adapter_model.safetensors" if peft else "model.safetensors")
-        weights = (safetensors.torch.load_file(file, device=str(trainer.device)) if peft
-                   else AutoModelForCausalLM.from_pretrained(path, dtype=trainer.model.dtype).state_dict())
+        weights = (safetensors.torch.load_file(file, device=str(trainer.device)) if peft else
+                   AutoModelForCausalLM.from_pretrained(path, dtype=trainer.model.dtype, use_safetensors=True)
+                   .state_dict())
     except Exception as e:
         raise ValueError(f"{file} holds objects other than tensors and plain values (it could run code)"
-                         if "Weights only load failed" in str(e) else f"{file} is corrupted ({e})") from e
+                         if "Weights only load failed" in str(e) else f"{file} is missing" if not
+                         os.path.exists(file) else f"{file} is corrupted ({e})") from e
     saved = {**state["config"], "world_size": state["world_size"]}
-    current = {**asdict(args), "world_size": trainer.world_size}
+    current = {**asdict(args), "world_size": trainer.world_size,  # datasets' fingerprint: of the contents
+               "train_dataset": trainer.dataset._fingerprint}
     diff = {k: (saved.get(k), current[k]) for k in shape if saved.get(k) != current[k]}  # .get: older ones
     require(not diff, f"checkpoint {path!r} was written with a different batch shape (then, now): {diff}")
     this_rank, remade = state["ranks"][trainer.rank], [k for k in cached if saved[k] != current[k]]
     require(not remade or this_rank["batch"] is None, f"checkpoint {path!r} is inside a μ cycle whose "
             f"cached batch was made with other {remade}: resume with its values, or from a cycle boundary")
-    changed = [f"{k} {v!r} -> {current.get(k)!r}" for k, v in saved.items()
-               if v != current.get(k) and k not in ("output_dir", "overwrite_output_dir")]
-    if changed:
+    if changed := [f"{k} {v!r} -> {current.get(k)!r}" for k, v in saved.items()
+                   if v != current.get(k) and k not in ("output_dir", "overwrite_output_dir")]:
         warnings.warn(f"resuming {path!r} with another config; the new values apply: {', '.join(changed)}")
     if state["step"] >= args.max_steps:  # (the final model is saved again)
         warnings.warn(f"checkpoint {path!r} at step {state['step']} >= max_steps: nothing is left to train")
+    shapes = {k: tuple(v.shape) for k, v in trainer.model.state_dict().items()}  # another model's checkpoint?
+    wrong = [f"{k} {tuple(v.shape)}, the model's {shapes[k]}" for k, v in weights.items()
+             if shapes.get(k, v.shape) != v.shape]
+    require(not wrong, f"{file} is another model's: {', '.join(wrong[:1])}")
     load = sys.modules["peft"].set_peft_model_state_dict if peft else type(trainer.model).load_state_dict
     loaded = load(trainer.model, weights)  # an adapter: with peft's own loading (its keys name no adapter)
     require(not loaded.unexpected_keys, f"{file} holds weights the model lacks: {loaded.unexpected_keys[:1]}")
@@ -645,36 +679,40 @@ def load_checkpoint(trainer, path):
     if trainer.rank == 0:  # once the checkpoint has loaded
         set_aside_after(trainer, state["step"])
     trainer.step, trainer.nonfinite_in_a_row = state["step"], state["nonfinite_in_a_row"]
-    trainer.batch, trainer.samples = this_rank["batch"], this_rank["samples"]
-    random.setstate(this_rank["rng"]["python"])
-    torch.set_rng_state(this_rank["rng"]["torch"].cpu())
-    torch.cuda.set_rng_state_all([s.cpu() for s in this_rank["rng"]["cuda"] or []])  # [] on CPUs, None: older
+    trainer.batch, trainer.samples, rng = this_rank["batch"], this_rank["samples"], this_rank["rng"]
+    random.setstate(rng["python"])
+    torch.set_rng_state(rng["torch"].cpu())
+    torch.cuda.set_rng_state_all([s.cpu() for s in rng["cuda"] or []])  # [] on CPUs, None: older ones
+    if np_state := rng.get("numpy"):  # (older checkpoints: not saved)
+        numpy.random.set_state((np_state[0], numpy.array(np_state[1], numpy.uint32), *np_state[2:]))
     trainer.scheduler = lr_schedule(trainer, state["lr_step"])
     trainer.start_time -= this_rank.get("elapsed", 0.0)  # the clock goes on (earlier versions: not saved)
 
 def set_aside_after(trainer, step):  # what output_dir's run logged after `step`: a roll-back keeps it aside
     out, metrics = trainer.args.output_dir, os.path.join(trainer.args.output_dir, "metrics.jsonl")
     later = [c for c in list_checkpoints(out) if int(c.rsplit("-", 1)[1]) > step]
-    rows = open(metrics).read().splitlines(keepends=True) if os.path.exists(metrics) else []
+    rows = pathlib.Path(metrics).read_text().splitlines(keepends=True) if os.path.exists(metrics) else []
     kept = list(itertools.takewhile(lambda row: row.endswith("\n") and json.loads(row)["step"] <= step, rows))
     past = rows[len(kept):]  # and a last line that a crash cut short (no newline)
     if later:  # else save_total_limit or resume_from_checkpoint=True would pick them over this run's own
         aside = tempfile.mkdtemp(prefix=f"rolled-back-to-{step}-", dir=out)
-        for p in later + final_model_files(out):
+        for p in (moved := later + final_model_files(out)):
             shutil.move(p, aside)
-        with open(os.path.join(aside, "metrics.jsonl"), "w") as f:
-            f.writelines(past)
-        warnings.warn(f"rolling back to step {step}: {', '.join(map(os.path.basename, later))} and the later "
-                      f"metrics are set aside in {aside}")
+        pathlib.Path(aside, "metrics.jsonl").write_text("".join(past))
+        warnings.warn(f"rolling back to step {step}: {', '.join(map(os.path.basename, moved))} and the "
+                      f"later metrics are set aside in {aside}")
     if past:  # the resumed run logs these steps again
-        with open(metrics + ".tmp", "w") as f:
-            f.writelines(kept)
+        pathlib.Path(metrics + ".tmp").write_text("".join(kept))
         os.replace(metrics + ".tmp", metrics)
 
-def final_model_files(out):  # what save_pretrained wrote into output_dir at the end of a run
-    names = ("config.json generation_config.json model*.safetensors* adapter_* tokenizer* vocab.json "
-             "merges.txt special_tokens_map.json added_tokens.json chat_template.*").split()  # adapter: peft
-    return [os.path.join(out, n) for n in os.listdir(out) if any(fnmatch.fnmatch(n, p) for p in names)]
+def final_model_files(out):  # what final_model_files.json lists, itself, a save cut short: no user's file
+    listed = os.path.join(out, "final_model_files.json")
+    names = [*json.loads(pathlib.Path(listed).read_text()), listed] if os.path.exists(listed) else []  # (abs)
+    return [p for p in (os.path.join(out, n) for n in [*names, "final-model.tmp"]) if os.path.exists(p)]
+
+def run_files(out):  # all that output_dir's run wrote: checkpoints (.tmp too), metrics.jsonl, final model
+    own = [n for n in os.listdir(out) if re.fullmatch(r"metrics\.jsonl|checkpoint-\d+(\.tmp)?", n)]
+    return [os.path.join(out, n) for n in sorted(own)] + final_model_files(out)
 
 def list_checkpoints(output_dir):  # the complete ones, oldest first (not checkpoint-<step>.tmp)
     names = os.listdir(output_dir) if os.path.isdir(output_dir) else []
@@ -822,9 +860,12 @@ def load_policy(model, processing_class, peft_config, args, device):  # checked 
             m.p = 0.0
         if isinstance(getattr(m, "attention_dropout", None), float):
             m.attention_dropout = 0.0  # functional
-    require(processing_class is not None or model.config._name_or_path,
-            "the model was built in memory, so it names no tokenizer: pass processing_class")
-    tokenizer = processing_class or from_disk_or_hub(AutoTokenizer, model.config._name_or_path)
+    name = model.config._name_or_path  # a folder without tokenizer files would load a tokenizer of 0 tokens
+    files = os.listdir(name) if os.path.isdir(name) else ["tokenizer (the hub's)"]
+    require(processing_class or name and any(n.startswith(("tokenizer", "vocab")) for n in files), (
+            f"{name!r} holds no tokenizer" if name else "a model built in memory names no tokenizer")
+            + ": pass processing_class")
+    tokenizer = processing_class or from_disk_or_hub(AutoTokenizer, name)
     require(tokenizer.eos_token_id is not None, "the tokenizer has no eos_token: completions could never end")
     if tokenizer.pad_token_id is None:  # padding is masked out, so any id will do; EOS is the usual choice
         tokenizer.pad_token = tokenizer.eos_token
@@ -872,9 +913,8 @@ def from_disk_or_hub(cls, name, **kwargs):  # hub unreachable: the local cache o
         raise ValueError(f"could not load {name!r}: {where} ({str(e).splitlines()[0]})") from e
 
 def hub_reachable(timeout=3.0):  # one HEAD request with huggingface_hub's client: its proxy, certificates
-    if os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes"):
-        return False
     with suppress(Exception):  # no answer in time: unreachable (any HTTP status, 404 too, is an answer)
-        huggingface_hub.get_session().head(huggingface_hub.constants.ENDPOINT, timeout=timeout)
-        return True
+        if os.environ.get("HF_HUB_OFFLINE", "0").lower() not in ("1", "true", "yes"):
+            huggingface_hub.get_session().head(huggingface_hub.constants.ENDPOINT, timeout=timeout)
+            return True
     return False

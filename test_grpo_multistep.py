@@ -8,6 +8,7 @@ import json
 import math
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -16,11 +17,13 @@ import threading
 import time
 import types
 
+import numpy
 import pytest
+import safetensors.torch
 import torch
 from datasets import Dataset
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 import grpo_multistep as gm
 from grpo_multistep import GRPOConfig, GRPOTrainer, completion_mask, group_advantages, grpo_loss, per_token_logps
@@ -792,8 +795,9 @@ def test_rolling_back_to_an_older_checkpoint_sets_the_later_work_aside_and_resum
     assert_same_run(uninterrupted, rolled_back)
     aside = tmp_path / "a" / next(n for n in os.listdir(tmp_path / "a") if n.startswith("rolled-back-to-1-"))
     assert any(str(aside) in str(w.message) for w in warned)
-    assert sorted(os.listdir(aside)) == ["chat_template.jinja", "checkpoint-2", "config.json", "generation_config.json",
-                                         "metrics.jsonl", "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
+    assert sorted(os.listdir(aside)) == ["chat_template.jinja", "checkpoint-2", "config.json", "final_model_files.json",
+                                         "generation_config.json", "metrics.jsonl", "model.safetensors", "tokenizer.json",
+                                         "tokenizer_config.json"]
     assert [r["step"] for r in metrics_of(aside)] == [2]
     assert [r["step"] for r in metrics_of(tmp_path / "a")] == [1, 2, 3, 4, 5, 6]
     assert checkpoints(tmp_path / "a") == ["checkpoint-5", "checkpoint-6"]
@@ -1150,11 +1154,12 @@ def run_until(script, flag, signum, env=None, command=None):
 
 
 @pytest.mark.parametrize("phase,signum,status", [("generate", signal.SIGTERM, 143), ("reward", signal.SIGTERM, 143),
-                                                 ("reward", signal.SIGHUP, 129)])
+                                                 ("reward", signal.SIGHUP, 129), ("reward", signal.SIGUSR1, 138),
+                                                 ("reward", signal.SIGQUIT, 131)])
 def test_a_signal_stops_a_60_s_step_within_seconds_keeping_the_finished_steps(tmp_path, phase, signum, status):
-    """SIGTERM (preemption: SLURM and Kubernetes send SIGKILL about 30 s later) or SIGHUP (a lost ssh connection)
-    during step 3's 60 s generation or reward call: that step is abandoned, checkpoint-2 is written, and the
-    process exits with status 128 + the signal within seconds. The checkpoint resumes bit-identically."""
+    """SIGTERM (preemption: SLURM and Kubernetes send SIGKILL about 30 s later), SIGHUP (a lost ssh connection),
+    SIGUSR1 (SLURM's --signal=USR1@<seconds>: checkpoint before the time limit) or SIGQUIT (Ctrl-\\) during
+    step 3's 60 s generation or reward call: that step is abandoned, checkpoint-2 is written, and the process exits with status 128 + the signal within seconds. The checkpoint resumes bit-identically."""
     flag = tmp_path / "slow"
     script = A_60_S_CALL_IN_STEP_3.format(here=os.path.dirname(os.path.abspath(__file__)), flag=str(flag),
                                           tmp=str(tmp_path), phase=phase)
@@ -1287,6 +1292,23 @@ def test_a_signal_during_a_periodic_save_stops_after_it_not_a_step_later(tmp_pat
     with pytest.raises(KeyboardInterrupt):
         trainer.train()
     assert (trainer.step, saves, checkpoints(tmp_path / "out")) == (2, [2], ["checkpoint-2"])
+
+
+def test_a_signal_during_a_log_override_waits_for_it_so_that_the_saved_step_is_logged(tmp_path):
+    """SIGTERM while a log() override uploads step 2's metrics (a tracker) before writing them: the step is
+    logged, then checkpointed, then the run exits; its resume logs steps 3 and 4: every step once."""
+    class Uploading(GRPOTrainer):
+        def log(self, metrics):
+            if metrics["step"] == 2:
+                os.kill(os.getpid(), signal.SIGTERM)  # during the upload
+            super().log(metrics)
+    trainer = make_trainer(tmp_path, max_steps=4, save_steps=100)
+    trainer.__class__ = Uploading
+    with pytest.raises(SystemExit):
+        trainer.train()
+    assert [r["step"] for r in metrics_of(tmp_path / "out")] == [1, 2] and checkpoints(tmp_path / "out") == ["checkpoint-2"]
+    make_trainer(tmp_path, max_steps=4).train(resume_from_checkpoint=True)
+    assert [r["step"] for r in metrics_of(tmp_path / "out")] == [1, 2, 3, 4]
 
 
 def test_a_resume_after_a_skipped_step_keeps_the_learning_rate_schedule(tmp_path, monkeypatch):
@@ -1456,6 +1478,181 @@ def test_a_resume_says_what_it_changes(tmp_path):
     with pytest.warns(UserWarning, match="max_steps"):  # nothing left to train
         make_trainer(tmp_path, learning_rate=1e-2, max_steps=2, **run).train(
             resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-3"))
+
+
+# ---------------------------------------------------------------------------------------------------
+# output_dir: one run at a time, and only the run's own files are ever deleted or moved
+# ---------------------------------------------------------------------------------------------------
+USERS_FILES = ["tokenizer_experiments/", "tokenizer_v2.py", "vocab.json", "model_v1.safetensors.d/", "notes.txt"]
+
+
+def put_users_files(out):
+    os.makedirs(out, exist_ok=True)
+    for name in USERS_FILES:
+        os.makedirs(out / name) if name.endswith("/") else (out / name).write_text("the user's")
+
+
+def test_overwrite_and_roll_back_touch_only_what_the_run_wrote_and_name_it(tmp_path):
+    """Files of the user's beside a run, named like a model's or a tokenizer's, are never deleted or moved:
+    the run lists its final model's files, and overwrite and roll back go by that list."""
+    out = tmp_path / "out"
+    put_users_files(out)
+    make_trainer(tmp_path, max_steps=2, save_steps=1).train()
+    with pytest.warns(UserWarning, match="rolling back to step 1: checkpoint-2, .*model.safetensors"):
+        make_trainer(tmp_path, max_steps=2, save_steps=1).train(resume_from_checkpoint=str(out / "checkpoint-1"))
+    with pytest.warns(UserWarning, match=r"deleting .*checkpoint-1, checkpoint-2, metrics.jsonl, .*model.safetensors"):
+        make_trainer(tmp_path, max_steps=1, overwrite_output_dir=True).train()
+    assert all(os.path.exists(out / name) for name in USERS_FILES)
+    assert (out / "vocab.json").read_text() == "the user's"
+    assert sorted(os.path.basename(p) for p in gm.run_files(str(out))) == sorted(
+        ["checkpoint-1", "metrics.jsonl", "final_model_files.json", *json.load(open(out / "final_model_files.json"))])
+
+
+A_RUN_HELD_IN_STEP_3 = """
+import os, sys, time
+from pathlib import Path
+sys.path[:0] = [{here!r}]
+import test_grpo_multistep as t
+calls = []
+def held(completion_ids, **kw):  # step 3's reward call takes 60 s
+    calls.append(1)
+    if len(calls) == 3:
+        open({flag!r}, "w").close()
+        time.sleep(60)
+    return t.short_is_good(completion_ids)
+t.make_trainer(Path({tmp!r}), held, max_steps=4, save_steps=1).train()
+"""
+
+
+def test_a_second_process_on_a_busy_output_dir_is_refused_and_a_killed_ones_lock_is_freed(tmp_path):
+    """Two runs in one output_dir would interleave metrics.jsonl and collide on checkpoint folders: the
+    second is refused at once. The lock is the kernel's on the open folder: SIGKILL frees it."""
+    flag = tmp_path / "held"
+    script = A_RUN_HELD_IN_STEP_3.format(here=os.path.dirname(os.path.abspath(__file__)), flag=str(flag),
+                                         tmp=str(tmp_path))
+    process = subprocess.Popen([sys.executable, "-c", script], env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        for _ in range(600):
+            if flag.exists() or process.poll() is not None:
+                break
+            time.sleep(0.1)
+        assert flag.exists(), f"the child never reached step 3 (exit status {process.poll()})"
+        for resume in (None, True):
+            with pytest.raises(ValueError, match="in use by another process"):
+                make_trainer(tmp_path, max_steps=4, save_steps=1, overwrite_output_dir=True).train(resume)
+        assert checkpoints(tmp_path / "out") == ["checkpoint-1", "checkpoint-2"]  # untouched
+    finally:
+        process.kill()
+        process.wait()
+    make_trainer(tmp_path, max_steps=4, save_steps=1).train(resume_from_checkpoint=True)
+    assert [r["step"] for r in metrics_of(tmp_path / "out")] == [1, 2, 3, 4]
+
+
+def test_a_refused_start_leaves_output_dir_unlocked(tmp_path):
+    """A train() refused at its start (here: a checkpoint that does not exist) holds no lock afterwards."""
+    trainer = make_trainer(tmp_path)
+    with pytest.raises(ValueError, match="not a checkpoint"):
+        trainer.train(resume_from_checkpoint=str(tmp_path / "nowhere"))
+    make_trainer(tmp_path).train()
+
+
+def test_resume_when_no_checkpoint_was_written_says_how_to_start_afresh(tmp_path):
+    """A run killed before its first checkpoint leaves metrics.jsonl only: resuming says to start afresh
+    with overwrite_output_dir=True, which a fresh start also asks for: no circle of messages."""
+    make_trainer(tmp_path, max_steps=2, save_steps=100).train()
+    for name in os.listdir(tmp_path / "out"):  # as after a SIGKILL in step 2
+        if name != "metrics.jsonl":
+            path = tmp_path / "out" / name
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
+    with pytest.raises(ValueError, match="holds no checkpoint.*overwrite_output_dir=True"):
+        make_trainer(tmp_path).train(resume_from_checkpoint=True)
+    with pytest.raises(ValueError, match="overwrite_output_dir=True"):
+        make_trainer(tmp_path).train()
+    make_trainer(tmp_path, overwrite_output_dir=True).train()
+
+
+def test_a_full_disk_names_the_checkpoint_and_the_free_space_and_keeps_the_earlier_ones(tmp_path, monkeypatch):
+    """torch.save into a full disk fails with `basic_ios::clear` and no path: the error names the folder being
+    written and the space left, the unfinished folder is removed, and checkpoint-1 stays loadable."""
+    real_save = torch.save
+    def into_a_full_disk(obj, path, *args, **kwargs):
+        if isinstance(obj, dict) and obj.get("step") == 2:
+            os.symlink("/dev/full", path)  # every write there fails with ENOSPC
+        return real_save(obj, path, *args, **kwargs)
+    monkeypatch.setattr(torch, "save", into_a_full_disk)
+    with pytest.raises(OSError, match=r"could not write .*checkpoint-2.tmp \(.* GiB free on its disk\)"):
+        make_trainer(tmp_path, max_steps=3, save_steps=1).train()
+    assert sorted(os.listdir(tmp_path / "out")) == ["checkpoint-1", "metrics.jsonl"]
+    monkeypatch.undo()
+    make_trainer(tmp_path, max_steps=3, save_steps=1).train(resume_from_checkpoint=True)
+
+
+# ---------------------------------------------------------------------------------------------------
+# What a resume restores, or refuses by name
+# ---------------------------------------------------------------------------------------------------
+def numpy_reward(completion_ids, **kwargs):
+    """short_is_good plus numpy noise: a reward with its own sampling (a judge's, a random check)."""
+    return [r + 0.1 * numpy.random.rand() for r in short_is_good(completion_ids)]
+
+
+def test_a_reward_that_draws_from_numpy_resumes_bit_identically(tmp_path):
+    make_trainer(tmp_path, numpy_reward, max_steps=4, save_steps=2).train()
+    assert_resumes_like_a_run_that_never_stopped(tmp_path, numpy_reward)
+
+
+def test_a_resume_with_another_dataset_says_so(tmp_path):
+    make_trainer(tmp_path, max_steps=2, save_steps=1).train()
+    other = Dataset.from_dict({"prompt": PROMPTS[:5]})
+    with pytest.warns(UserWarning, match="train_dataset '[0-9a-f]+' -> '[0-9a-f]+'"):
+        make_trainer(tmp_path, dataset=other, max_steps=3).train(resume_from_checkpoint=True)
+
+
+def test_a_checkpoint_of_another_model_size_or_of_pickled_weights_is_named(tmp_path):
+    make_trainer(tmp_path, max_steps=1, save_steps=1).train()
+    tokenizer = make_tokenizer()
+    wider = LlamaForCausalLM(LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=64,
+                                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2))
+    with pytest.raises(ValueError, match=r"model.safetensors is another model's: .*, the model's \(299, 64\)"):
+        make_trainer(tmp_path, model=wider, tokenizer=tokenizer, max_steps=2).train(resume_from_checkpoint=True)
+    checkpoint = tmp_path / "out" / "checkpoint-1"  # its weights as a pickle: never unpickled
+    torch.save(safetensors.torch.load_file(checkpoint / "model.safetensors"), checkpoint / "pytorch_model.bin")
+    os.remove(checkpoint / "model.safetensors")
+    with pytest.raises(ValueError, match=r"checkpoint-1/model.safetensors is missing"):
+        make_trainer(tmp_path, max_steps=2).train(resume_from_checkpoint=True)
+
+
+def test_a_replaced_model_is_refused_and_gradient_checkpointing_follows_the_config(tmp_path):
+    """Between two train() calls: a new trainer.model would not be the optimizer's (grad_norm > 0, no weight
+    moving); gradient_checkpointing set back to False turns recomputation off again."""
+    trainer = make_trainer(tmp_path, gradient_checkpointing=True, overwrite_output_dir=True)
+    trainer.train()
+    assert trainer.model.is_activation_checkpointing
+    trainer.args.gradient_checkpointing = False
+    trainer.train()
+    assert not trainer.model.is_activation_checkpointing
+    trainer.model = make_model(trainer.tokenizer, seed=1)
+    with pytest.raises(ValueError, match="not its optimizer's"):
+        trainer.train()
+
+
+def test_prompt_and_completion_longer_than_the_models_positions_are_refused_by_name(tmp_path):
+    """A GPT-2-style model has a table of positions: past its end, an IndexError deep in torch. Refused before
+    the first token is generated, from the prompts' length (max_prompt_length + max_completion_length beyond
+    the positions is no error: prompts are usually shorter)."""
+    tokenizer = make_tokenizer()
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=len(tokenizer), n_positions=20, n_embd=32, n_layer=1, n_head=2,
+                                      eos_token_id=tokenizer.eos_token_id, bos_token_id=None))
+    with pytest.raises(ValueError, match=r"prompts of \d+ tokens \+ max_completion_length=12 exceed the model's 20"):
+        make_trainer(tmp_path, model=gpt2, tokenizer=tokenizer,
+                     dataset=Dataset.from_dict({"prompt": ["the cat sat on the mat " * 2] * 8})).train()
+
+
+def test_a_model_folder_without_a_tokenizer_says_so(tmp_path):
+    tokenizer = make_tokenizer()
+    make_model(tokenizer).save_pretrained(tmp_path / "model")
+    with pytest.raises(ValueError, match="holds no tokenizer.*processing_class"):
+        GRPOTrainer(str(tmp_path / "model"), short_is_good, GRPOConfig(output_dir=str(tmp_path / "out")),
+                    Dataset.from_dict({"prompt": PROMPTS}))
 
 
 def dict_reward(completions, **kw):
