@@ -121,9 +121,9 @@ def generate_completions(model, tokenizer, prompt_ids, prompt_mask, args, eos_to
     EOS (any of eos_token_ids; None: the tokenizer's). Returns the prompts repeated G times (B·G, P), the
     completions (B·G, C), padded after their EOS, and their mask."""
     G, C, eos = args.num_generations, args.max_completion_length, tokenizer.eos_token_id
-    n = getattr(model.config, "max_position_embeddings", None) or math.inf  # (GPT-2's table: IndexError past it)
-    require(prompt_ids.size(1) + C <= n, f"prompts of {prompt_ids.size(1)} tokens + max_completion_length={C} "
-            f"exceed the model's {n} positions: lower max_prompt_length or max_completion_length")
+    n, P = getattr(model.config, "max_position_embeddings", None) or math.inf, prompt_ids.size(1)  # positions
+    require(P + C <= n, f"prompts of {P} tokens + max_completion_length={C} exceed the model's {n} positions "
+            "(past them, GPT-2's table of positions fails): lower max_prompt_length or max_completion_length")
     eos = torch.as_tensor(eos if eos_token_ids is None else eos_token_ids, device=prompt_ids.device)
     positions = position_ids(prompt_mask)                                                 # (B, P)
     out = model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=positions, use_cache=True,
@@ -249,16 +249,15 @@ class GRPOTrainer:
         """Algorithm 1: a generation batch of S mini-batches, then μ passes over them, an optimizer step per
         mini-batch: μ·S steps per generation. TRL's two readings of "multi-step": μ > 1 (TRL PR #2899)
         reuses each mini-batch; S > 1 (steps_per_generation) uses each once, later ones stale by updates."""
-        start_run(self, resume_from_checkpoint)  # check the config; resume, or seed and claim output_dir
-        args, S = self.args, mini_batches_per_generation(self.args)
-        with checkpoint_on_failure(self):        # a signal or an error: checkpoint the last finished step
+        with checkpoint_on_failure(self, resume_from_checkpoint):  # start_run first: check the config, lock
+            args, S = self.args, mini_batches_per_generation(self.args)  # output_dir, resume or seed; then a
             while self.step < args.max_steps and not self.should_stop:
                 metrics = {}
                 if self.step % (args.num_iterations * S) == 0:         # a new generation batch
                     self.batch, metrics = self.generate_and_score(self.step // (args.num_iterations * S))
                 minibatch = list(micro_batches(self.batch, len(self.batch["advantages"]) // S))[self.step % S]
                 metrics.update(self.optimizer_step(minibatch))  # mini-batch step % S: μ passes over the S
-                self.step += 1
+                self.step += 1  # (a signal or an error from here on: checkpoint the last finished step)
                 end_of_step(self, metrics)               # log, checkpoint, stop on trouble (Part II)
             save_checkpoint(self, final=True)            # and the trained model, into output_dir (Part II)
         return self
@@ -399,8 +398,7 @@ PHASES = ("generate", "logps", "forward", "backward", "optimizer")  # timed (on 
 def lap(trainer, phase):  # end the running phase, start `phase` (None: between phases, not reported)
     if trainer.device.type == "cuda":
         torch.cuda.synchronize(trainer.device)
-    now = time.perf_counter()
-    trainer.seconds[trainer.phase] += now - trainer.phase_start
+    trainer.seconds[trainer.phase] += (now := time.perf_counter()) - trainer.phase_start
     trainer.phase, trainer.phase_start = phase, now
 
 def autocast(trainer):  # bf16: every model call under bfloat16 autocast; the loss and AdamW stay float32
@@ -513,39 +511,35 @@ def start_run(trainer, resume_from_checkpoint):  # check again; resume, or start
     trained = {id(p) for group in trainer.optimizer.param_groups for p in group["params"]}
     require(trained == {id(p) for p in trainer.model.parameters() if p.requires_grad}, "trainer.model's "
             "trainable weights are not its optimizer's (a model replaced, or frozen since): make a new one")
-    model_dir = trainer.model.config._name_or_path
-    require(not (os.path.isdir(model_dir) and os.path.samefile(model_dir, out)), f"output_dir {out!r} is the "
-            "model's own folder, which the run would overwrite: choose another output_dir")
+    require(not (os.path.isdir(mine := trainer.model.config._name_or_path) and os.path.samefile(mine, out)),
+            f"output_dir {out!r} is the model's own folder, which the run would overwrite: choose another")
     trainer.model.activation_checkpointing_disable()  # as the config says now: set or unset since loading
     if args.gradient_checkpointing:
         trainer.model.activation_checkpointing_enable({"use_reentrant": False})
-    trainer.on_exit = ExitStack()  # closed at the end of train(): signal handlers back, output_dir unlocked
-    try:  # one run per output_dir: rank 0 flocks it (the kernel frees a killed process's; Windows: no fcntl)
-        if trainer.rank == 0 and os.name == "posix":
-            trainer.on_exit.callback(os.close, fd := os.open(out, os.O_RDONLY))
-            try:
-                (fcntl := importlib.import_module("fcntl")).flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                raise ValueError(f"output_dir {out!r} is in use by another process's run: wait for it to "
-                                 "end, or choose another output_dir") from None
-        folder = os.path.dirname(os.path.abspath(path)) if isinstance(path, (str, os.PathLike)) else out
-        own, earlier = bool(path) and os.path.realpath(folder) == os.path.realpath(out), run_files(out)
-        names = ", ".join(map(os.path.basename, earlier))  # own: resuming output_dir's own run
-        require(own or not earlier or args.overwrite_output_dir, f"output_dir {out!r} holds another run ("
-                f"{names}): resume it with train(resume_from_checkpoint=True), choose another output_dir, or "
-                "set overwrite_output_dir=True (deletes it, starts afresh)")
-        if earlier and not own and trainer.rank == 0:  # what that run wrote, and nothing else
-            warnings.warn(f"overwrite_output_dir: deleting {out!r}'s earlier run: {names}", stacklevel=3)
-            for p in earlier:
-                (shutil.rmtree if os.path.isdir(p) else os.remove)(p)
-        new_run(trainer)
-        if path:
-            load_checkpoint(trainer, path)
-        trainer.saved_step = trainer.step if own else None  # a checkpoint is written once, never replaced
-        trainer.snapshot = gather_snapshot(trainer)
-    except BaseException:
-        trainer.on_exit.close()
-        raise
+    if trainer.rank == 0 and os.name == "posix":  # one run per output_dir: rank 0 flocks it till train() ends
+        trainer.on_exit.callback(os.close, fd := os.open(out, os.O_RDONLY))  # (a killed process's lock goes
+        try:                                                                  # with it; Windows: no fcntl)
+            (fcntl := importlib.import_module("fcntl")).flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise ValueError(f"output_dir {out!r} is in use by another process's run: wait for it to end, or "
+                             "choose another output_dir") from None
+    folder = os.path.dirname(os.path.abspath(path)) if isinstance(path, (str, os.PathLike)) else out
+    own = bool(path) and os.path.realpath(folder) == os.path.realpath(out)  # resuming output_dir's own run
+    ours = sorted(n for n in os.listdir(out) if re.fullmatch(r"metrics\.jsonl|checkpoint-\d+(\.tmp)?", n))
+    earlier = [os.path.join(out, n) for n in ours] + final_model_files(out)  # all that a run there wrote
+    names = ", ".join(map(os.path.basename, earlier))
+    require(own or not earlier or args.overwrite_output_dir, f"output_dir {out!r} holds another run ({names})"
+            ": resume it with train(resume_from_checkpoint=True), choose another output_dir, or set "
+            "overwrite_output_dir=True (deletes it, starts afresh)")
+    if earlier and not own and trainer.rank == 0:  # what that run wrote, and nothing else
+        warnings.warn(f"overwrite_output_dir: deleting {out!r}'s earlier run: {names}", stacklevel=3)
+        for p in earlier:
+            (shutil.rmtree if os.path.isdir(p) else os.remove)(p)
+    new_run(trainer)
+    if path:
+        load_checkpoint(trainer, path)
+    trainer.saved_step = trainer.step if own else None  # a checkpoint is written once, never replaced
+    trainer.snapshot = gather_snapshot(trainer)
 
 def new_run(trainer):  # step 0, seeded; no counter, clock or gradient of an earlier train() (weights stay)
     trainer.step, trainer.batch, trainer.samples = 0, None, []  # batch: a μ cycle's cached generation batch
@@ -577,35 +571,35 @@ def gather_snapshot(trainer):  # each rank's RNG states, samples, elapsed and, i
     return ranks
 
 @contextmanager
-def checkpoint_on_failure(trainer):
+def checkpoint_on_failure(trainer, resume_from_checkpoint):  # start_run, then guard the run
     def on_signal(signum, frame):  # stop at once, unless the weights or files are being written, or an
         trainer.signal = trainer.signal or signum  # error is being handled: then where that ends
         if trainer.phase != "optimizer" and not trainer.saving and sys.exc_info()[1] is None:
             raise stop_for(signum)
-    main = threading.current_thread() is threading.main_thread()  # the only thread that can set handlers
-    if not main:
-        warnings.warn("train() runs outside the main thread, where signals cannot be caught: Ctrl-C or "
-                      "SIGTERM would end it without a checkpoint of its finished steps", stacklevel=3)
-    names = "SIGINT SIGTERM SIGHUP SIGUSR1 SIGQUIT".split() if main else []  # USR1: SLURM's --signal=USR1@<s>
-    for s in [getattr(signal, name) for name in names if hasattr(signal, name)]:  # each restored at the end
-        trainer.on_exit.callback(signal.signal, s, signal.signal(s, on_signal))
-    try:
-        yield
-    except BaseException as e:
-        trainer.saving += 1  # first: from here on a signal waits for the checkpoint of the finished steps
-        if trainer.step > 0 and trainer.phase != "optimizer":  # an update begun: no step to save whole
-            save_checkpoint(trainer)
-        elif trainer.step > 0 and trainer.rank == 0:
-            warnings.warn("an error during a weight update: its step is not checkpointed (earlier ones stay)")
-        if trainer.signal and not isinstance(e, (KeyboardInterrupt, SystemExit)):
-            raise stop_for(trainer.signal) from e  # a collective that failed as another rank stopped
-        raise
-    finally:
-        trainer.on_exit.close()  # the signal handlers as they were; output_dir unlocked
+    with ExitStack() as trainer.on_exit:  # at the end, even of a failed start: handlers back, lock freed
+        start_run(trainer, resume_from_checkpoint)
+        main = threading.current_thread() is threading.main_thread()  # the only thread that can set handlers
+        if not main:
+            warnings.warn("train() runs outside the main thread, where signals cannot be caught: Ctrl-C or "
+                          "SIGTERM would end it without a checkpoint of its finished steps", stacklevel=3)
+        names = "SIGINT SIGTERM SIGHUP SIGUSR1 SIGQUIT".split() if main else []  # USR1: SLURM's --signal
+        for s in [getattr(signal, name) for name in names if hasattr(signal, name)]:  # restored at the end
+            trainer.on_exit.callback(signal.signal, s, signal.signal(s, on_signal))
+        try:
+            yield
+        except BaseException as e:
+            trainer.saving += 1  # first: from here on a signal waits for the checkpoint of the finished steps
+            if trainer.step > 0 and trainer.phase != "optimizer":  # an update begun: no step to save whole
+                save_checkpoint(trainer)
+            elif trainer.step > 0 and trainer.rank == 0:
+                warnings.warn("an error in a weight update: its step is not checkpointed (earlier ones stay)")
+            if trainer.signal and not isinstance(e, (KeyboardInterrupt, SystemExit)):
+                raise stop_for(trainer.signal) from e  # a collective that failed as another rank stopped
+            raise
 
 def save_checkpoint(trainer, final=False):  # rank 0, from the last finished step's snapshot: no collective
     args, step, out = trainer.args, trainer.step, trainer.args.output_dir
-    folder, model_tmp = os.path.join(out, f"checkpoint-{step}"), os.path.join(out, "final-model.tmp")
+    folder = os.path.join(out, f"checkpoint-{step}")
     trainer.saving += 1  # a signal that comes while files are written waits for them to be complete
     try:
         if trainer.rank == 0 and trainer.saved_step != step:  # (else written already, or resumed from)
@@ -619,17 +613,17 @@ def save_checkpoint(trainer, final=False):  # rank 0, from the last finished ste
             for old in list_checkpoints(out)[:-(args.save_total_limit or 0)]:  # None: keep all
                 shutil.rmtree(old)
             trainer.saved_step = step
-        if final and trainer.rank == 0:  # the model, for from_pretrained(output_dir), and a list of its files
-            for save in (trainer.model.save_pretrained, trainer.tokenizer.save_pretrained):
-                save(model_tmp)
-            for name in (names := os.listdir(model_tmp)):
-                os.replace(os.path.join(model_tmp, name), os.path.join(out, name))
-            os.rmdir(model_tmp)  # then the list: overwrite and roll back touch these, no other file there
+        if final and trainer.rank == 0:  # the model, for from_pretrained(output_dir), then a list of it
+            before = set(os.listdir(out)) - set(map(os.path.basename, final_model_files(out)))  # (earlier's)
+            trainer.model.save_pretrained(out)
+            trainer.tokenizer.save_pretrained(out)  # overwrite and roll back touch the listed files, no other
+            names = sorted(set(os.listdir(out)) - before - {"final_model_files.json"})
             pathlib.Path(out, "final_model_files.json").write_text(json.dumps(names))
-    except Exception as e:  # a failed write (disk full: torch names neither the cause nor the path) says where
-        where = [p for p in (folder + ".tmp", model_tmp) if os.path.exists(p) and not shutil.rmtree(p, True)]
-        raise OSError(f"could not write {' or '.join(where) or out} ({shutil.disk_usage(out).free / 2**30:.2f}"
-                      f" GiB free on its disk): {type(e).__name__}: {e}") from e
+    except Exception as e:  # a failed write (disk full: torch names neither cause nor path) says where
+        where = folder + ".tmp" if os.path.exists(folder + ".tmp") else out  # (removed: it frees the space)
+        shutil.rmtree(folder + ".tmp", ignore_errors=True)
+        raise OSError(f"could not write {where} ({shutil.disk_usage(out).free / 2**30:.2f} GiB free on its "
+                      f"disk): {type(e).__name__}: {e}") from e
     finally:
         trainer.saving -= 1
     if trainer.signal and not trainer.saving:
@@ -656,8 +650,7 @@ def load_checkpoint(trainer, path):
                          if "Weights only load failed" in str(e) else f"{file} is missing" if not
                          os.path.exists(file) else f"{file} is corrupted ({e})") from e
     saved = {**state["config"], "world_size": state["world_size"]}
-    current = {**asdict(args), "world_size": trainer.world_size,  # datasets' fingerprint: of the contents
-               "train_dataset": trainer.dataset._fingerprint}
+    current = dict(asdict(args), world_size=trainer.world_size, train_dataset=trainer.dataset._fingerprint)
     diff = {k: (saved.get(k), current[k]) for k in shape if saved.get(k) != current[k]}  # .get: older ones
     require(not diff, f"checkpoint {path!r} was written with a different batch shape (then, now): {diff}")
     this_rank, remade = state["ranks"][trainer.rank], [k for k in cached if saved[k] != current[k]]
@@ -705,14 +698,10 @@ def set_aside_after(trainer, step):  # what output_dir's run logged after `step`
         pathlib.Path(metrics + ".tmp").write_text("".join(kept))
         os.replace(metrics + ".tmp", metrics)
 
-def final_model_files(out):  # what final_model_files.json lists, itself, a save cut short: no user's file
-    listed = os.path.join(out, "final_model_files.json")
-    names = [*json.loads(pathlib.Path(listed).read_text()), listed] if os.path.exists(listed) else []  # (abs)
-    return [p for p in (os.path.join(out, n) for n in [*names, "final-model.tmp"]) if os.path.exists(p)]
-
-def run_files(out):  # all that output_dir's run wrote: checkpoints (.tmp too), metrics.jsonl, final model
-    own = [n for n in os.listdir(out) if re.fullmatch(r"metrics\.jsonl|checkpoint-\d+(\.tmp)?", n)]
-    return [os.path.join(out, n) for n in sorted(own)] + final_model_files(out)
+def final_model_files(out):  # the files final_model_files.json lists (no file of the user's), and itself
+    listed = pathlib.Path(out, "final_model_files.json")
+    names = [*json.loads(listed.read_text()), listed.name] if listed.exists() else []
+    return [p for p in (os.path.join(out, n) for n in names) if os.path.exists(p)]
 
 def list_checkpoints(output_dir):  # the complete ones, oldest first (not checkpoint-<step>.tmp)
     names = os.listdir(output_dir) if os.path.isdir(output_dir) else []
@@ -736,11 +725,10 @@ def check_config(c):
             with suppress(ValueError):  # else it stays a string, refused just below
                 value = json.loads(value) if kind is dict else kind(value)
         value = float(value) if kind is float and type(value) is int else value
-        what = "an int" if kind is int else kind.__name__
-        require(value is None and optional or isinstance(value, kind) and (kind, type(value)) != (int, bool),
-                f"GRPOConfig.{name}={value!r} must be {what}" + " or None" * optional)
-        require(kind is not float or value is None or math.isfinite(value),  # inf, nan: never what is meant
-                f"GRPOConfig.{name}={value!r} must be finite")
+        typed = value is None and optional or isinstance(value, kind) and (kind, type(value)) != (int, bool)
+        what = "finite" if typed else "an int" if kind is int else kind.__name__  # inf, nan: never meant
+        require(typed and (kind is not float or value is None or math.isfinite(value)),
+                f"GRPOConfig.{name}={value!r} must be {what}" + " or None" * (optional and not typed))
         setattr(c, name, value)
     rules = {"must be >= 1": (lambda v: v >= 1, "num_iterations max_steps per_device_train_batch_size "
                               "gradient_accumulation_steps max_completion_length logging_steps save_steps "
@@ -829,10 +817,9 @@ def call_reward(f, kwargs):  # f's rewards as a float32 column, NaN for None; el
     return column
 
 def check_scored(rewards_per_func, completions):
-    unscored = rewards_per_func.isnan().all(1).nonzero()[:, 0].tolist()
-    i = (unscored or [0])[0]
-    require(not unscored, f"every reward function returned None for completion {i} ({completions[i]!r:.80}); "
-            "at least one must score each completion")
+    i = next(iter(rewards_per_func.isnan().all(1).nonzero()[:, 0].tolist()), None)  # the first unscored
+    require(i is None, f"every reward function returned None for completion {i} ("
+            f"{completions[i or 0]!r:.80}); at least one must score each completion")
     return rewards_per_func
 
 def load_policy(model, processing_class, peft_config, args, device):  # checked for what training assumes
