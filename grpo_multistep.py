@@ -120,10 +120,11 @@ def generate_completions(model, tokenizer, prompt_ids, prompt_mask, args, eos_to
     or top-p: section 4's log-probs describe exactly the distribution that sampled), each ending at its first
     EOS (any of eos_token_ids; None: the tokenizer's). Returns the prompts repeated G times (B·G, P), the
     completions (B·G, C), padded after their EOS, and their mask."""
-    G, C, eos = args.num_generations, args.max_completion_length, tokenizer.eos_token_id
-    n, P = getattr(model.config, "max_position_embeddings", None) or math.inf, prompt_ids.size(1)  # positions
-    require(P + C <= n, f"prompts of {P} tokens + max_completion_length={C} exceed the model's {n} positions "
-            "(past them, GPT-2's table of positions fails): lower max_prompt_length or max_completion_length")
+    G, C, eos, P = args.num_generations, args.max_completion_length, tokenizer.eos_token_id, prompt_ids.size(1)
+    table = not getattr(model.config, "rope_parameters", None)  # positions learned (GPT-2's), not rotary: past
+    n = getattr(model.config, "max_position_embeddings", math.inf) if table else math.inf  # them, an IndexError
+    require(P + C <= n, f"prompts of {P} tokens + max_completion_length={C} exceed the model's {n} positions: "
+            "lower max_prompt_length or max_completion_length")
     eos = torch.as_tensor(eos if eos_token_ids is None else eos_token_ids, device=prompt_ids.device)
     positions = position_ids(prompt_mask)                                                 # (B, P)
     out = model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=positions, use_cache=True,

@@ -7,6 +7,7 @@ gguf/transformers is what takes the time). The lab's tests (experiments/test_lab
 import json
 import os
 import shlex
+import shutil
 import signal
 import socket
 import subprocess
@@ -141,6 +142,62 @@ def test_resume_without_an_earlier_run_says_so_and_exits_non_zero(tiny, tmp_path
         message = error_of(args(tiny, folder, "--resume", *sweep))
         assert "no earlier run to continue" in message or "holds no checkpoint" in message, message
     assert not os.path.exists(tmp_path / "never-run") and not os.path.exists(tmp_path / "metrics.jsonl")
+
+
+KILLED_IN_THE_FINAL_SAVE = """
+import os, sys, time, torch
+sys.path[:0] = [{here!r}]
+import train_tldr
+save = torch.save
+def killed(obj, path, *args, **kwargs):  # μ = 1's last checkpoint: its model is written, its state not yet
+    if isinstance(obj, dict) and obj.get("step") == 3 and obj["config"]["num_iterations"] == 1:
+        open({flag!r}, "w").close()
+        time.sleep(600)
+    save(obj, path, *args, **kwargs)
+torch.save = killed
+train_tldr.main({argv!r})
+"""
+
+
+def test_a_sweep_killed_in_a_runs_final_checkpoint_resumes_it_from_its_newest_complete_one(tiny, tmp_path):
+    """SIGKILL while μ = 1 writes checkpoint-3 (of 3) leaves checkpoint-3.tmp beside checkpoint-2: --resume takes
+    μ = 1 on from checkpoint-2 (not as ended: it has no final model yet), writes its model, then runs μ = 2."""
+    sweep = ["--sweep", "1", "2", "--max_steps", "3", "--save_steps", "1"]
+    flag, argv = tmp_path / "saving", args(tiny, tmp_path / "sweep", *sweep)
+    script = KILLED_IN_THE_FINAL_SAVE.format(here=os.path.dirname(os.path.abspath(__file__)), flag=str(flag),
+                                             argv=argv)
+    process = subprocess.Popen([sys.executable, "-c", script], env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        for _ in range(1200):
+            if flag.exists() or process.poll() is not None:
+                break
+            time.sleep(0.1)
+        assert flag.exists(), f"the child never reached the final save (exit status {process.poll()})"
+    finally:
+        process.kill()
+        process.wait()
+    mu1 = tmp_path / "sweep" / "μ=1"
+    assert sorted(n for n in os.listdir(mu1) if n.startswith("checkpoint")) == ["checkpoint-1", "checkpoint-2",
+                                                                            "checkpoint-3.tmp"]
+    assert train_tldr.main(argv + ["--resume"]) == 0
+    for mu in (1, 2):
+        run = tmp_path / "sweep" / f"μ={mu}"
+        assert [r["step"] for r in metrics(run)] == [1, 2, 3]
+        assert AutoModelForCausalLM.from_pretrained(run) is not None  # the final model, whole
+        assert not [n for n in os.listdir(run) if n.startswith("checkpoint")]  # a finished sweep run keeps none
+
+
+def test_a_metrics_line_cut_short_by_a_kill_is_logged_again_on_resume(tiny, tmp_path):
+    """A kill while step 2's line is written leaves half a line after checkpoint-1: --resume reads the file,
+    drops the half line and logs step 2 again: every step once, all of it strict JSON."""
+    assert train_tldr.main(args(tiny, tmp_path / "run", "--save_steps", "1")) == 0
+    run = tmp_path / "run"
+    lines = (run / "metrics.jsonl").read_text().splitlines(keepends=True)
+    (run / "metrics.jsonl").write_text(lines[0] + lines[1][:25])  # step 2's line, cut
+    shutil.rmtree(run / "checkpoint-2")  # as before step 2 was saved
+    os.remove(run / "final_model_files.json")
+    assert train_tldr.main(args(tiny, run, "--save_steps", "1", "--resume")) == 0
+    assert [r["step"] for r in metrics(run)] == [1, 2]
 
 
 def interrupted_in_run(monkeypatch, mu, generation_batch, stop=None):
