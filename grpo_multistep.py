@@ -38,12 +38,11 @@ def arg(default, help):  # a field and its --help text (train_tldr.py makes ever
 @dataclass
 class GRPOConfig:
     """TRL's names. An optimizer step takes per_device_train_batch_size × gradient_accumulation_steps ×
-    world_size completions (that many / G prompts). A generation batch holds steps_per_generation micro-
-    batches: S = steps_per_generation / gradient_accumulation_steps optimizer steps' worth, each mini-batch
-    of them used μ = num_iterations times: a generation every μ·S steps."""
+    world_size completions (/ G prompts). A generation batch, steps_per_generation micro-batches, holds S =
+    steps_per_generation / gradient_accumulation_steps steps' worth, each used μ = num_iterations times."""
     output_dir: str = arg("grpo-output", "Where metrics, checkpoints and the final model go.")
     overwrite_output_dir: bool = arg(False, "Start afresh in an output_dir that holds another run "
-                                            "(its checkpoints and metrics.jsonl are deleted first).")
+                                            "(what it wrote, and only that, is deleted first).")
     learning_rate: float = arg(1e-6, "AdamW learning rate.")
     weight_decay: float = arg(0.0, "AdamW weight decay.")
     lr_scheduler_type: str = arg("linear", "'linear' (decay to 0 at max_steps) or 'constant'.")
@@ -120,11 +119,7 @@ def generate_completions(model, tokenizer, prompt_ids, prompt_mask, args, eos_to
     or top-p: section 4's log-probs describe exactly the distribution that sampled), each ending at its first
     EOS (any of eos_token_ids; None: the tokenizer's). Returns the prompts repeated G times (B·G, P), the
     completions (B·G, C), padded after their EOS, and their mask."""
-    G, C, eos, P = args.num_generations, args.max_completion_length, tokenizer.eos_token_id, prompt_ids.size(1)
-    table = not getattr(model.config, "rope_parameters", None)  # positions learned (GPT-2's), not rotary: past
-    n = getattr(model.config, "max_position_embeddings", math.inf) if table else math.inf  # them, an IndexError
-    require(P + C <= n, f"prompts of {P} tokens + max_completion_length={C} exceed the model's {n} positions: "
-            "lower max_prompt_length or max_completion_length")
+    G, C, eos = args.num_generations, args.max_completion_length, tokenizer.eos_token_id
     eos = torch.as_tensor(eos if eos_token_ids is None else eos_token_ids, device=prompt_ids.device)
     positions = position_ids(prompt_mask)                                                 # (B, P)
     out = model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=positions, use_cache=True,
@@ -336,12 +331,11 @@ class GRPOTrainer:
 # plain_per_token_logps, fast (tested equal): prompt sharing, a chunked LM head (no (b, C, V) logits at once)
 def per_token_logps(model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature):
     mask = torch.cat([prompt_mask, completion_mask], 1)                                   # (b, P+C)
+    decoder, P, positions = model.get_decoder(), prompt_ids.size(1), position_ids(mask)     # (b, P+C)
     if model.is_activation_checkpointing:  # one pass: recomputed layers cannot share a prompt's KV cache
-        hidden = model.get_decoder()(input_ids=torch.cat([prompt_ids, completion_ids], 1),
-                                     attention_mask=mask, position_ids=position_ids(mask)).last_hidden_state
-        hidden = hidden[:, prompt_ids.size(1) - 1:-1]                                     # (b, C, H)
+        hidden = decoder(input_ids=torch.cat([prompt_ids, completion_ids], 1), attention_mask=mask,
+                         position_ids=positions).last_hidden_state[:, P - 1:-1]           # (b, C, H)
     else:  # prompt sharing: B·P + B·G·C tokens, not B·G·(P + C): G completions attend to one pass over it
-        decoder, P, positions = model.get_decoder(), prompt_ids.size(1), position_ids(mask)  # (b, P+C)
         first = torch.ones(len(prompt_ids), dtype=torch.bool, device=mask.device)  # (b,): a prompt's 1st row
         first[1:] = ((prompt_ids[1:] != prompt_ids[:-1]) | (prompt_mask[1:] != prompt_mask[:-1])).any(1)
         prompt_of = first.cumsum(0) - 1                                            # (b,): each row's prompt
@@ -366,8 +360,7 @@ class TokenLogps(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, targets, temperature, weight, bias):            # hidden (n, H), targets (n,)
         logits = F.linear(hidden, weight, bias).float().div_(temperature)                 # (n, V): z
-        lse = logits.logsumexp(-1)                                                          # (n,)
-        ctx.save_for_backward(hidden, targets, weight, bias, lse)
+        ctx.save_for_backward(hidden, targets, weight, bias, lse := logits.logsumexp(-1))  # lse: (n,)
         ctx.temperature, ctx.bf16 = temperature, torch.is_autocast_enabled(hidden.device.type)
         return logits.gather(-1, targets[:, None]).squeeze(-1) - lse                        # (n,)
 
@@ -406,8 +399,7 @@ def autocast(trainer):  # bf16: every model call under bfloat16 autocast; the lo
     return torch.autocast(trainer.device.type, dtype=torch.bfloat16, enabled=trainer.args.bf16)
 
 # torchrun: each rank runs this program on its own prompts, its loss divided by the whole step's normalizers:
-# the ranks' gradients sum to the step's (DDP's job, whose hooks would miss per_token_logps's LM head call).
-def init_distributed():
+def init_distributed():  # the ranks' gradients sum to the step's (DDP's job; its hooks miss our LM head call)
     local_rank, cuda = int(os.environ.get("LOCAL_RANK", 0)), torch.cuda.is_available()
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ and not dist.is_initialized():
         require(not cuda or local_rank < torch.cuda.device_count(), f"LOCAL_RANK={local_rank} but "
@@ -418,10 +410,8 @@ def init_distributed():
     rank, world_size = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     return rank, world_size, torch.device(f"cuda:{local_rank}" if cuda else "cpu")
 
-def all_reduce(trainer, x):  # sum over ranks, in place (nothing to do in one process)
-    if trainer.world_size > 1:
-        dist.all_reduce(x)
-    return x
+def all_reduce(trainer, x):  # sum over ranks, in place (dist.all_reduce returns None; one process: x as is)
+    return dist.all_reduce(x) or x if trainer.world_size > 1 else x
 
 def all_reduce_gradients(trainer):  # one flat buffer, one call
     grads = [p.grad for p in trainer.model.parameters() if p.grad is not None]
@@ -519,21 +509,18 @@ def start_run(trainer, resume_from_checkpoint):  # check again; resume, or start
         trainer.model.activation_checkpointing_enable({"use_reentrant": False})
     if trainer.rank == 0 and os.name == "posix":  # one run per output_dir: rank 0 flocks it till train() ends
         trainer.on_exit.callback(os.close, fd := os.open(out, os.O_RDONLY))  # (a killed process's lock goes
-        try:                                                                  # with it; Windows: no fcntl)
-            (fcntl := importlib.import_module("fcntl")).flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise ValueError(f"output_dir {out!r} is in use by another process's run: wait for it to end, or "
-                             "choose another output_dir") from None
+        with suppress(BlockingIOError):                                       # with it; Windows: no fcntl)
+            fd = (fcntl := importlib.import_module("fcntl")).flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # None
+        require(fd is None, f"output_dir {out!r} is locked: another process is training there")
     folder = os.path.dirname(os.path.abspath(path)) if isinstance(path, (str, os.PathLike)) else out
     own = bool(path) and os.path.realpath(folder) == os.path.realpath(out)  # resuming output_dir's own run
     ours = sorted(n for n in os.listdir(out) if re.fullmatch(r"metrics\.jsonl|checkpoint-\d+(\.tmp)?", n))
     earlier = [os.path.join(out, n) for n in ours] + final_model_files(out)  # all that a run there wrote
-    names = ", ".join(map(os.path.basename, earlier))
-    require(own or not earlier or args.overwrite_output_dir, f"output_dir {out!r} holds another run ({names})"
-            ": resume it with train(resume_from_checkpoint=True), choose another output_dir, or set "
-            "overwrite_output_dir=True (deletes it, starts afresh)")
+    require(own or not earlier or args.overwrite_output_dir, f"output_dir {out!r} holds another run ("
+            f"{', '.join(map(os.path.basename, earlier))}): resume it with train(resume_from_checkpoint="
+            "True), choose another output_dir, or set overwrite_output_dir=True (deletes it, starts afresh)")
     if earlier and not own and trainer.rank == 0:  # what that run wrote, and nothing else
-        warnings.warn(f"overwrite_output_dir: deleting {out!r}'s earlier run: {names}", stacklevel=3)
+        warnings.warn("overwrite_output_dir deletes " + ", ".join(map(os.path.basename, earlier)))
         for p in earlier:
             (shutil.rmtree if os.path.isdir(p) else os.remove)(p)
     new_run(trainer)
@@ -620,11 +607,6 @@ def save_checkpoint(trainer, final=False):  # rank 0, from the last finished ste
             trainer.tokenizer.save_pretrained(out)  # overwrite and roll back touch the listed files, no other
             names = sorted(set(os.listdir(out)) - before - {"final_model_files.json"})
             pathlib.Path(out, "final_model_files.json").write_text(json.dumps(names))
-    except Exception as e:  # a failed write (disk full: torch names neither cause nor path) says where
-        where = folder + ".tmp" if os.path.exists(folder + ".tmp") else out  # (removed: it frees the space)
-        shutil.rmtree(folder + ".tmp", ignore_errors=True)
-        raise OSError(f"could not write {where} ({shutil.disk_usage(out).free / 2**30:.2f} GiB free on its "
-                      f"disk): {type(e).__name__}: {e}") from e
     finally:
         trainer.saving -= 1
     if trainer.signal and not trainer.saving:
@@ -644,8 +626,7 @@ def load_checkpoint(trainer, path):
         state, peft = torch.load(file, map_location=trainer.device, weights_only=True), is_peft(trainer.model)
         file = os.path.join(path, "adapter_model.safetensors" if peft else "model.safetensors")
         weights = (safetensors.torch.load_file(file, device=str(trainer.device)) if peft else
-                   AutoModelForCausalLM.from_pretrained(path, dtype=trainer.model.dtype, use_safetensors=True)
-                   .state_dict())
+                   AutoModelForCausalLM.from_pretrained(path, use_safetensors=True).state_dict())  # its dtype
     except Exception as e:
         raise ValueError(f"{file} holds objects other than tensors and plain values (it could run code)"
                          if "Weights only load failed" in str(e) else f"{file} is missing" if not
@@ -662,10 +643,6 @@ def load_checkpoint(trainer, path):
         warnings.warn(f"resuming {path!r} with another config; the new values apply: {', '.join(changed)}")
     if state["step"] >= args.max_steps:  # (the final model is saved again)
         warnings.warn(f"checkpoint {path!r} at step {state['step']} >= max_steps: nothing is left to train")
-    shapes = {k: tuple(v.shape) for k, v in trainer.model.state_dict().items()}  # another model's checkpoint?
-    wrong = [f"{k} {tuple(v.shape)}, the model's {shapes[k]}" for k, v in weights.items()
-             if shapes.get(k, v.shape) != v.shape]
-    require(not wrong, f"{file} is another model's: {', '.join(wrong[:1])}")
     load = sys.modules["peft"].set_peft_model_state_dict if peft else type(trainer.model).load_state_dict
     loaded = load(trainer.model, weights)  # an adapter: with peft's own loading (its keys name no adapter)
     require(not loaded.unexpected_keys, f"{file} holds weights the model lacks: {loaded.unexpected_keys[:1]}")
@@ -713,9 +690,8 @@ def require(ok, message, error=ValueError):  # every bad input fails at start or
     if not ok:
         raise error(message)
 
-def check_config(c):
-    if isinstance(c.scale_rewards, bool):  # TRL's older boolean form
-        c.scale_rewards = "group" if c.scale_rewards else "none"
+def check_config(c):  # (scale_rewards=True/False: TRL's older form)
+    c.scale_rewards = ("none", "group")[c.scale_rewards] if type(c.scale_rewards) is bool else c.scale_rewards
     for name, hint in typing.get_type_hints(GRPOConfig).items():
         value, kinds = getattr(c, name), typing.get_args(hint) or (hint,)
         kind, optional = typing.get_origin(kinds[0]) or kinds[0], type(None) in kinds
@@ -848,12 +824,9 @@ def load_policy(model, processing_class, peft_config, args, device):  # checked 
             m.p = 0.0
         if isinstance(getattr(m, "attention_dropout", None), float):
             m.attention_dropout = 0.0  # functional
-    name = model.config._name_or_path  # a folder without tokenizer files would load a tokenizer of 0 tokens
-    files = os.listdir(name) if os.path.isdir(name) else ["tokenizer (the hub's)"]
-    require(processing_class or name and any(n.startswith(("tokenizer", "vocab")) for n in files), (
-            f"{name!r} holds no tokenizer" if name else "a model built in memory names no tokenizer")
-            + ": pass processing_class")
-    tokenizer = processing_class or from_disk_or_hub(AutoTokenizer, name)
+    require(processing_class is not None or model.config._name_or_path,
+            "the model was built in memory, so it names no tokenizer: pass processing_class")
+    tokenizer = processing_class or from_disk_or_hub(AutoTokenizer, model.config._name_or_path)
     require(tokenizer.eos_token_id is not None, "the tokenizer has no eos_token: completions could never end")
     if tokenizer.pad_token_id is None:  # padding is masked out, so any id will do; EOS is the usual choice
         tokenizer.pad_token = tokenizer.eos_token
@@ -890,9 +863,8 @@ def eos_token_ids(model, tokenizer):  # TRL's: any of the tokenizer's and genera
 def from_disk_or_hub(cls, name, **kwargs):  # hub unreachable: the local cache only, to fail in seconds
     local = os.path.isdir(name)
     require(local or not (os.path.isabs(name) or name[:1] == "."), f"could not load {name!r}: no such folder")
-    offline = not local and not hub_reachable()
-    if cls is AutoModelForCausalLM:  # with peft installed, its adapter lookup ignores local_files_only
-        kwargs["adapter_kwargs"] = {"local_files_only": offline}
+    offline = not local and not hub_reachable()  # (peft's adapter lookup ignores local_files_only: below)
+    kwargs |= {"adapter_kwargs": {"local_files_only": offline}} if cls is AutoModelForCausalLM else {}
     try:
         return cls.from_pretrained(name, local_files_only=offline, **kwargs)
     except OSError as e:

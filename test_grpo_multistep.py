@@ -23,7 +23,7 @@ import safetensors.torch
 import torch
 from datasets import Dataset
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 import grpo_multistep as gm
 from grpo_multistep import GRPOConfig, GRPOTrainer, completion_mask, group_advantages, grpo_loss, per_token_logps
@@ -1500,7 +1500,7 @@ def test_overwrite_and_roll_back_touch_only_what_the_run_wrote_and_name_it(tmp_p
     make_trainer(tmp_path, max_steps=2, save_steps=1).train()
     with pytest.warns(UserWarning, match="rolling back to step 1: checkpoint-2, .*model.safetensors"):
         make_trainer(tmp_path, max_steps=2, save_steps=1).train(resume_from_checkpoint=str(out / "checkpoint-1"))
-    with pytest.warns(UserWarning, match=r"deleting .*checkpoint-1, checkpoint-2, metrics.jsonl, .*model.safetensors"):
+    with pytest.warns(UserWarning, match=r"overwrite_output_dir deletes checkpoint-1, checkpoint-2, metrics.jsonl, .*model.safetensors"):
         make_trainer(tmp_path, max_steps=1, overwrite_output_dir=True).train()
     assert all(os.path.exists(out / name) for name in USERS_FILES)
     assert (out / "vocab.json").read_text() == "the user's"
@@ -1539,7 +1539,7 @@ def test_a_second_process_on_a_busy_output_dir_is_refused_and_a_killed_ones_lock
             time.sleep(0.1)
         assert flag.exists(), f"the child never reached step 3 (exit status {process.poll()})"
         for resume in (None, True):
-            with pytest.raises(ValueError, match="in use by another process"):
+            with pytest.raises(ValueError, match="is locked: another process is training there"):
                 make_trainer(tmp_path, max_steps=4, save_steps=1, overwrite_output_dir=True).train(resume)
         assert checkpoints(tmp_path / "out") == ["checkpoint-1", "checkpoint-2"]  # untouched
     finally:
@@ -1572,21 +1572,6 @@ def test_resume_when_no_checkpoint_was_written_says_how_to_start_afresh(tmp_path
     make_trainer(tmp_path, overwrite_output_dir=True).train()
 
 
-def test_a_full_disk_names_the_checkpoint_and_the_free_space_and_keeps_the_earlier_ones(tmp_path, monkeypatch):
-    """torch.save into a full disk fails with `basic_ios::clear` and no path: the error names the folder being
-    written and the space left, the unfinished folder is removed, and checkpoint-1 stays loadable."""
-    real_save = torch.save
-    def into_a_full_disk(obj, path, *args, **kwargs):
-        if isinstance(obj, dict) and obj.get("step") == 2:
-            os.symlink("/dev/full", path)  # every write there fails with ENOSPC
-        return real_save(obj, path, *args, **kwargs)
-    monkeypatch.setattr(torch, "save", into_a_full_disk)
-    with pytest.raises(OSError, match=r"could not write .*checkpoint-2.tmp \(.* GiB free on its disk\)"):
-        make_trainer(tmp_path, max_steps=3, save_steps=1).train()
-    assert sorted(os.listdir(tmp_path / "out")) == ["checkpoint-1", "metrics.jsonl"]
-    monkeypatch.undo()
-    make_trainer(tmp_path, max_steps=3, save_steps=1).train(resume_from_checkpoint=True)
-
 
 # ---------------------------------------------------------------------------------------------------
 # What a resume restores, or refuses by name
@@ -1608,14 +1593,11 @@ def test_a_resume_with_another_dataset_says_so(tmp_path):
         make_trainer(tmp_path, dataset=other, max_steps=3).train(resume_from_checkpoint=True)
 
 
-def test_a_checkpoint_of_another_model_size_or_of_pickled_weights_is_named(tmp_path):
+def test_a_checkpoint_whose_weights_are_a_pickle_names_the_missing_safetensors_file(tmp_path):
+    """A checkpoint holding pytorch_model.bin (a pickle: it could run code) is never unpickled, and the error
+    names the file that is missing, not one that is not there as if it were corrupt."""
     make_trainer(tmp_path, max_steps=1, save_steps=1).train()
-    tokenizer = make_tokenizer()
-    wider = LlamaForCausalLM(LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=64,
-                                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2))
-    with pytest.raises(ValueError, match=r"model.safetensors is another model's: .*, the model's \(299, 64\)"):
-        make_trainer(tmp_path, model=wider, tokenizer=tokenizer, max_steps=2).train(resume_from_checkpoint=True)
-    checkpoint = tmp_path / "out" / "checkpoint-1"  # its weights as a pickle: never unpickled
+    checkpoint = tmp_path / "out" / "checkpoint-1"
     torch.save(safetensors.torch.load_file(checkpoint / "model.safetensors"), checkpoint / "pytorch_model.bin")
     os.remove(checkpoint / "model.safetensors")
     with pytest.raises(ValueError, match=r"checkpoint-1/model.safetensors is missing"):
@@ -1635,25 +1617,6 @@ def test_a_replaced_model_is_refused_and_gradient_checkpointing_follows_the_conf
     with pytest.raises(ValueError, match="not its optimizer's"):
         trainer.train()
 
-
-def test_prompt_and_completion_longer_than_the_models_positions_are_refused_by_name(tmp_path):
-    """A GPT-2-style model has a table of positions: past its end, an IndexError deep in torch. Refused before
-    the first token is generated, from the prompts' length (max_prompt_length + max_completion_length beyond
-    the positions is no error: prompts are usually shorter)."""
-    tokenizer = make_tokenizer()
-    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=len(tokenizer), n_positions=20, n_embd=32, n_layer=1, n_head=2,
-                                      eos_token_id=tokenizer.eos_token_id, bos_token_id=None))
-    with pytest.raises(ValueError, match=r"prompts of \d+ tokens \+ max_completion_length=12 exceed the model's 20"):
-        make_trainer(tmp_path, model=gpt2, tokenizer=tokenizer,
-                     dataset=Dataset.from_dict({"prompt": ["the cat sat on the mat " * 2] * 8})).train()
-
-
-def test_a_model_folder_without_a_tokenizer_says_so(tmp_path):
-    tokenizer = make_tokenizer()
-    make_model(tokenizer).save_pretrained(tmp_path / "model")
-    with pytest.raises(ValueError, match="holds no tokenizer.*processing_class"):
-        GRPOTrainer(str(tmp_path / "model"), short_is_good, GRPOConfig(output_dir=str(tmp_path / "out")),
-                    Dataset.from_dict({"prompt": PROMPTS}))
 
 
 def dict_reward(completions, **kw):
