@@ -512,8 +512,8 @@ def start_run(trainer, resume_from_checkpoint):  # check again; resume, or start
         with suppress(BlockingIOError):                                       # with it; Windows: no fcntl)
             fd = (fcntl := importlib.import_module("fcntl")).flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # None
         require(fd is None, f"output_dir {out!r} is locked: another process is training there")
-    folder = os.path.dirname(os.path.abspath(path)) if isinstance(path, (str, os.PathLike)) else out
-    own = bool(path) and os.path.realpath(folder) == os.path.realpath(out)  # resuming output_dir's own run
+    real = os.path.realpath(out)  # own: a resume from inside output_dir (True: its newest checkpoint)
+    own = path is True or bool(path) and os.path.commonpath([os.path.realpath(path), real]) == real
     ours = sorted(n for n in os.listdir(out) if re.fullmatch(r"metrics\.jsonl|checkpoint-\d+(\.tmp)?", n))
     earlier = [os.path.join(out, n) for n in ours] + final_model_files(out)  # all that a run there wrote
     require(own or not earlier or args.overwrite_output_dir, f"output_dir {out!r} holds another run ("
@@ -566,8 +566,7 @@ def checkpoint_on_failure(trainer, resume_from_checkpoint):  # start_run, then g
             raise stop_for(signum)
     with ExitStack() as trainer.on_exit:  # at the end, even of a failed start: handlers back, lock freed
         start_run(trainer, resume_from_checkpoint)
-        main = threading.current_thread() is threading.main_thread()  # the only thread that can set handlers
-        if not main:
+        if not (main := threading.current_thread() is threading.main_thread()):  # only it can set handlers
             warnings.warn("train() runs outside the main thread, where signals cannot be caught: Ctrl-C or "
                           "SIGTERM would end it without a checkpoint of its finished steps", stacklevel=3)
         names = "SIGINT SIGTERM SIGHUP SIGUSR1 SIGQUIT".split() if main else []  # USR1: SLURM's --signal
@@ -621,7 +620,7 @@ def load_checkpoint(trainer, path):
             "before its first save leaves none): start afresh (overwrite_output_dir=True if one is there)")
     path, file = found[-1], os.path.join(found[-1], "trainer_state.pt")
     require(os.path.isfile(file), f"resume_from_checkpoint={path!r} is not a checkpoint: "
-            + ("no trainer_state.pt in it" if os.path.isdir(path) else "no such folder"))
+            + ("no trainer_state.pt in it" if os.path.isdir(path) else "not a checkpoint-<step> folder"))
     try:  # tensors and plain Python values only (no pickled pytorch_model.bin): it cannot run code
         state, peft = torch.load(file, map_location=trainer.device, weights_only=True), is_peft(trainer.model)
         file = os.path.join(path, "adapter_model.safetensors" if peft else "model.safetensors")
@@ -676,10 +675,11 @@ def set_aside_after(trainer, step):  # what output_dir's run logged after `step`
         pathlib.Path(metrics + ".tmp").write_text("".join(kept))
         os.replace(metrics + ".tmp", metrics)
 
-def final_model_files(out):  # the files final_model_files.json lists (no file of the user's), and itself
-    listed = pathlib.Path(out, "final_model_files.json")
-    names = [*json.loads(listed.read_text()), listed.name] if listed.exists() else []
-    return [p for p in (os.path.join(out, n) for n in names) if os.path.exists(p)]
+def final_model_files(out):  # the entries of output_dir that final_model_files.json lists, and itself
+    with suppress(FileNotFoundError, ValueError):  # (no list or a broken one: no file is the run's)
+        names = {*json.loads((file := pathlib.Path(out, "final_model_files.json")).read_text()), file.name}
+        return [os.path.join(out, n) for n in sorted(names & set(os.listdir(out)))]  # no path out of out
+    return []
 
 def list_checkpoints(output_dir):  # the complete ones, oldest first (not checkpoint-<step>.tmp)
     names = os.listdir(output_dir) if os.path.isdir(output_dir) else []

@@ -1509,6 +1509,29 @@ def test_overwrite_and_roll_back_touch_only_what_the_run_wrote_and_name_it(tmp_p
                                               *(name.rstrip("/") for name in USERS_FILES)])
 
 
+def test_a_resume_path_that_is_no_checkpoint_folder_deletes_nothing_even_with_overwrite(tmp_path):
+    """resume_from_checkpoint naming a file (trainer_state.pt) or output_dir itself, with overwrite_output_dir:
+    the checkpoint is inside output_dir, so nothing there is another run's to delete; the path is refused."""
+    make_trainer(tmp_path, max_steps=2, save_steps=1).train()
+    before = sorted(os.listdir(tmp_path / "out"))
+    for path in (tmp_path / "out" / "checkpoint-2" / "trainer_state.pt", tmp_path / "out"):
+        with pytest.raises(ValueError, match="is not a checkpoint"):
+            make_trainer(tmp_path, max_steps=3, overwrite_output_dir=True).train(resume_from_checkpoint=str(path))
+        assert sorted(os.listdir(tmp_path / "out")) == before
+
+
+@pytest.mark.parametrize("listed", ['["..", "../outside", "."]', '["config.json", "mod'])
+def test_a_tampered_or_cut_final_model_list_touches_nothing_outside_the_run(tmp_path, listed):
+    """final_model_files.json names entries of output_dir only: a path out of it is ignored, and a list cut
+    short (a crash while writing it) is no list: its run's files are left, never a file outside."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    make_trainer(tmp_path, max_steps=1).train()
+    (tmp_path / "out" / "final_model_files.json").write_text(listed)
+    make_trainer(tmp_path, max_steps=1, overwrite_output_dir=True).train()
+    assert outside.is_dir() and (tmp_path / "out" / "metrics.jsonl").exists()
+
+
 A_RUN_HELD_IN_STEP_3 = """
 import os, sys, time
 from pathlib import Path
@@ -1604,17 +1627,21 @@ def test_a_checkpoint_whose_weights_are_a_pickle_names_the_missing_safetensors_f
         make_trainer(tmp_path, max_steps=2).train(resume_from_checkpoint=True)
 
 
-def test_a_replaced_model_is_refused_and_gradient_checkpointing_follows_the_config(tmp_path):
-    """Between two train() calls: a new trainer.model would not be the optimizer's (grad_norm > 0, no weight
-    moving); gradient_checkpointing set back to False turns recomputation off again."""
+def test_gradient_checkpointing_set_back_to_false_turns_recomputation_off_again(tmp_path):
     trainer = make_trainer(tmp_path, gradient_checkpointing=True, overwrite_output_dir=True)
     trainer.train()
     assert trainer.model.is_activation_checkpointing
     trainer.args.gradient_checkpointing = False
     trainer.train()
     assert not trainer.model.is_activation_checkpointing
+
+
+def test_a_model_replaced_between_two_runs_is_refused_by_name(tmp_path):
+    """A new trainer.model is not what the optimizer updates: grad_norm > 0 and no weight would move."""
+    trainer = make_trainer(tmp_path, overwrite_output_dir=True)
+    trainer.train()
     trainer.model = make_model(trainer.tokenizer, seed=1)
-    with pytest.raises(ValueError, match="not its optimizer's"):
+    with pytest.raises(ValueError, match="trainable weights are not its optimizer's"):
         trainer.train()
 
 
