@@ -4,6 +4,7 @@ Everything runs offline on a tiny Llama (2 layers, hidden size 32) and a byte-le
 trained here on a few sentences, so the whole file takes seconds on a CPU.
 """
 
+import contextlib
 import json
 import math
 import os
@@ -759,17 +760,8 @@ t.run_to_end(Path({tmp!r}), "run")
 def test_a_process_killed_while_writing_a_checkpoint_leaves_the_previous_one_loadable(tmp_path):
     flag = tmp_path / "saving"
     script = KILLED_WHILE_SAVING.format(here=os.path.dirname(os.path.abspath(__file__)), flag=str(flag), tmp=str(tmp_path))
-    process = subprocess.Popen([sys.executable, "-c", script], env={**os.environ, "OMP_NUM_THREADS": "1"})
-    try:
-        for _ in range(1200):
-            if flag.exists() or process.poll() is not None:
-                break
-            time.sleep(0.1)
-        assert flag.exists(), "the child never reached the checkpoint of step 4"
-        process.send_signal(signal.SIGKILL)
-    finally:
-        process.kill()
-        process.wait()
+    with child_at(flag, script):  # killed at the checkpoint of step 4
+        pass
     run = tmp_path / "run"
     assert sorted(os.listdir(run)) == ["checkpoint-2", "checkpoint-4.tmp", "metrics.jsonl"]  # half-written: .tmp
     assert gm.list_checkpoints(str(run)) == [str(run / "checkpoint-2")]
@@ -1134,9 +1126,9 @@ t.make_trainer(Path({tmp!r}), slow(t.short_is_good) if {phase!r} == "reward" els
 """
 
 
-def run_until(script, flag, signum, env=None, command=None):
-    """Run `script` in a child process, send it `signum` once `flag` exists; its exit status and the seconds
-    from the signal to its exit."""
+@contextlib.contextmanager
+def child_at(flag, script=None, env=None, command=None):
+    """A child process running `script` (or `command`), once it has made `flag`; killed at the block's end."""
     process = subprocess.Popen(command or [sys.executable, "-c", script],
                                env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
     try:
@@ -1144,13 +1136,20 @@ def run_until(script, flag, signum, env=None, command=None):
             if flag.exists() or process.poll() is not None:
                 break
             time.sleep(0.1)
-        assert flag.exists(), f"the child never reached its slow call (exit status {process.poll()})"
-        sent = time.monotonic()
-        process.send_signal(signum)
-        return process.wait(timeout=60), time.monotonic() - sent
+        assert flag.exists(), f"the child never reached its flag (exit status {process.poll()})"
+        yield process
     finally:
         process.kill()
         process.wait()
+
+
+def run_until(script, flag, signum, env=None, command=None):
+    """Run `script` in a child process, send it `signum` once `flag` exists; its exit status and the seconds
+    from the signal to its exit."""
+    with child_at(flag, script, env, command) as process:
+        sent = time.monotonic()
+        process.send_signal(signum)
+        return process.wait(timeout=60), time.monotonic() - sent
 
 
 @pytest.mark.parametrize("phase,signum,status", [("generate", signal.SIGTERM, 143), ("reward", signal.SIGTERM, 143),
@@ -1554,20 +1553,11 @@ def test_a_second_process_on_a_busy_output_dir_is_refused_and_a_killed_ones_lock
     flag = tmp_path / "held"
     script = A_RUN_HELD_IN_STEP_3.format(here=os.path.dirname(os.path.abspath(__file__)), flag=str(flag),
                                          tmp=str(tmp_path))
-    process = subprocess.Popen([sys.executable, "-c", script], env={**os.environ, "OMP_NUM_THREADS": "1"})
-    try:
-        for _ in range(600):
-            if flag.exists() or process.poll() is not None:
-                break
-            time.sleep(0.1)
-        assert flag.exists(), f"the child never reached step 3 (exit status {process.poll()})"
+    with child_at(flag, script):  # in step 3; SIGKILLed at the end of the block
         for resume in (None, True):
             with pytest.raises(ValueError, match="is locked: another process is training there"):
                 make_trainer(tmp_path, max_steps=4, save_steps=1, overwrite_output_dir=True).train(resume)
         assert checkpoints(tmp_path / "out") == ["checkpoint-1", "checkpoint-2"]  # untouched
-    finally:
-        process.kill()
-        process.wait()
     make_trainer(tmp_path, max_steps=4, save_steps=1).train(resume_from_checkpoint=True)
     assert [r["step"] for r in metrics_of(tmp_path / "out")] == [1, 2, 3, 4]
 

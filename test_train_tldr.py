@@ -21,6 +21,7 @@ from transformers import (AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Llam
                           PreTrainedTokenizerFast)
 
 import train_tldr
+from test_grpo_multistep import child_at
 
 POSTS = [json.loads(line) for line in open(train_tldr.POSTS)]
 CORPUS = [f"SUBREDDIT: r/{p['subreddit']}\nTITLE: {p['title']}\nPOST: {p['post']}\nTL;DR: "
@@ -166,16 +167,8 @@ def test_a_sweep_killed_in_a_runs_final_checkpoint_resumes_it_from_its_newest_co
     flag, argv = tmp_path / "saving", args(tiny, tmp_path / "sweep", *sweep)
     script = KILLED_IN_THE_FINAL_SAVE.format(here=os.path.dirname(os.path.abspath(__file__)), flag=str(flag),
                                              argv=argv)
-    process = subprocess.Popen([sys.executable, "-c", script], env={**os.environ, "OMP_NUM_THREADS": "1"})
-    try:
-        for _ in range(1200):
-            if flag.exists() or process.poll() is not None:
-                break
-            time.sleep(0.1)
-        assert flag.exists(), f"the child never reached the final save (exit status {process.poll()})"
-    finally:
-        process.kill()
-        process.wait()
+    with child_at(flag, script):  # SIGKILLed in the final save
+        pass
     mu1 = tmp_path / "sweep" / "μ=1"
     assert sorted(n for n in os.listdir(mu1) if n.startswith("checkpoint")) == ["checkpoint-1", "checkpoint-2",
                                                                             "checkpoint-3.tmp"]
