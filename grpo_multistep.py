@@ -335,7 +335,7 @@ def per_token_logps(model, prompt_ids, prompt_mask, completion_ids, completion_m
     if model.is_activation_checkpointing:  # one pass: recomputed layers cannot share a prompt's KV cache
         hidden = decoder(input_ids=torch.cat([prompt_ids, completion_ids], 1), attention_mask=mask,
                          position_ids=positions).last_hidden_state[:, P - 1:-1]           # (b, C, H)
-    else:  # prompt sharing: B·P + B·G·C tokens, not B·G·(P + C): G completions attend to one pass over it
+    else:  # prompt sharing: B·P + B·G·C tokens, not B·G·(P + C): G completions attend to one prompt pass
         first = torch.ones(len(prompt_ids), dtype=torch.bool, device=mask.device)  # (b,): a prompt's 1st row
         first[1:] = ((prompt_ids[1:] != prompt_ids[:-1]) | (prompt_mask[1:] != prompt_mask[:-1])).any(1)
         prompt_of = first.cumsum(0) - 1                                            # (b,): each row's prompt
