@@ -245,15 +245,15 @@ class GRPOTrainer:
         """Algorithm 1: a generation batch of S mini-batches, then μ passes over them, an optimizer step per
         mini-batch: μ·S steps per generation. TRL's two readings of "multi-step": μ > 1 (TRL PR #2899)
         reuses each mini-batch; S > 1 (steps_per_generation) uses each once, later ones stale by updates."""
-        with checkpoint_on_failure(self, resume_from_checkpoint):  # start_run first: check the config, lock
-            args, S = self.args, mini_batches_per_generation(self.args)  # output_dir, resume or seed; then a
+        with checkpoint_on_failure(self, resume_from_checkpoint):  # start_run: check, lock, resume or seed;
+            args, S = self.args, mini_batches_per_generation(self.args)  # then a failure checkpoints
             while self.step < args.max_steps and not self.should_stop:
                 metrics = {}
                 if self.step % (args.num_iterations * S) == 0:         # a new generation batch
                     self.batch, metrics = self.generate_and_score(self.step // (args.num_iterations * S))
                 minibatch = list(micro_batches(self.batch, len(self.batch["advantages"]) // S))[self.step % S]
                 metrics.update(self.optimizer_step(minibatch))  # mini-batch step % S: μ passes over the S
-                self.step += 1  # (a signal or an error from here on: checkpoint the last finished step)
+                self.step += 1  # the last finished step, the one that a failure from here on checkpoints
                 end_of_step(self, metrics)               # log, checkpoint, stop on trouble (Part II)
             save_checkpoint(self, final=True)            # and the trained model, into output_dir (Part II)
         return self
