@@ -24,11 +24,9 @@ from collections import abc, defaultdict
 from contextlib import ExitStack, contextmanager, nullcontext, suppress
 from dataclasses import asdict, dataclass, field
 
-import huggingface_hub, numpy, safetensors.torch, torch
-import torch.distributed as dist, torch.nn.functional as F
+import huggingface_hub, numpy, safetensors.torch, torch, torch.distributed as dist, torch.nn.functional as F
 from datasets import Dataset
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
-
 
 # ======================================== PART I: THE ALGORITHM ========================================
 # ---- 1. Config ---------------------------------------------------------------------------------------
@@ -41,8 +39,7 @@ class GRPOConfig:
     world_size completions (/ G prompts). A generation batch, steps_per_generation micro-batches, holds S =
     steps_per_generation / gradient_accumulation_steps steps' worth, each used μ = num_iterations times."""
     output_dir: str = arg("grpo-output", "Where metrics, checkpoints and the final model go.")
-    overwrite_output_dir: bool = arg(False, "Start afresh in an output_dir that holds another run "
-                                            "(what it wrote, and only that, is deleted first).")
+    overwrite_output_dir: bool = arg(False, "Start afresh over another run (deleting its files, no other).")
     learning_rate: float = arg(1e-6, "AdamW learning rate.")
     weight_decay: float = arg(0.0, "AdamW weight decay.")
     lr_scheduler_type: str = arg("linear", "'linear' (decay to 0 at max_steps) or 'constant'.")
@@ -56,14 +53,12 @@ class GRPOConfig:
     max_completion_length: int = arg(256, "Maximum tokens generated per completion.")
     temperature: float = arg(1.0, "Sampling temperature; log-probs use the same one.")
     num_iterations: int = arg(1, "μ: optimizer steps on each mini-batch of a generation batch.")
-    steps_per_generation: int | None = arg(None, "Micro-batches per generation batch (None: "
-                                           "gradient_accumulation_steps, one optimizer step's).")
+    steps_per_generation: int | None = arg(None, "Micro-batches per generation; None: one optimizer step's.")
     epsilon: float = arg(0.2, "Lower clipping range: ratio >= 1 - epsilon.")
     epsilon_high: float | None = arg(None, "Upper clipping range: ratio <= 1 + epsilon_high (None: epsilon).")
     beta: float = arg(0.0, "KL coefficient; 0 = no reference model at all.")
     use_bias_correction_kl: bool = arg(False, "Weigh the KL term by the ratio ρ (TRL 1.16's default: True).")
-    loss_type: str = arg("grpo", "'grpo' (per-sequence mean), 'bnpo' (micro-batch token mean, TRL PR "
-                                 "#2899's), 'dapo' (token mean over the step) or 'dr_grpo'.")
+    loss_type: str = arg("grpo", "'grpo' (sequence mean), 'bnpo' (TRL PR #2899's), 'dapo' or 'dr_grpo'.")
     scale_rewards: str = arg("group", "'group': divide advantages by the group's reward std; 'none': don't.")
     reward_weights: list[float] | None = arg(None, "One weight per reward function (None = all 1).")
     model_init_kwargs: dict | str | None = arg(None, "from_pretrained's kwargs (JSON too); default float32.")
@@ -85,12 +80,10 @@ def tokenize_prompts(tokenizer, prompts, max_prompt_length):
     """Text, with the tokenizer's special tokens (BOS) as in TRL, or conversations through the chat template
     (which writes its own); each cut to its last max_prompt_length tokens and left-padded, so that every
     completion starts at one column, right after the end of its prompt."""
-    chat = not isinstance(prompts[0], str)
-    if chat:
+    if chat := not isinstance(prompts[0], str):
         prompts = [tokenizer.apply_chat_template(p, tokenize=False, add_generation_prompt=True)
                    for p in prompts]
-    ids = check_prompt_ids([tokenizer(t, add_special_tokens=not chat)["input_ids"] for t in prompts],
-                           max_prompt_length)
+    ids = check_prompt_ids(tokenizer(prompts, add_special_tokens=not chat)["input_ids"], max_prompt_length)
     width = max(len(x) for x in ids)
     input_ids = torch.tensor([[tokenizer.pad_token_id] * (width - len(x)) + x for x in ids])  # (B, P)
     attention_mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in ids])       # (B, P)
@@ -115,10 +108,9 @@ def sample_token(logits, temperature):  # one token per row from exactly softmax
 
 @torch.no_grad()
 def generate_completions(model, tokenizer, prompt_ids, prompt_mask, args, eos_token_ids=None):
-    """G completions per prompt, token by token with the KV cache, from softmax(logits / T) alone (no top-k
-    or top-p: section 4's log-probs describe exactly the distribution that sampled), each ending at its first
-    EOS (any of eos_token_ids; None: the tokenizer's). Returns the prompts repeated G times (B·G, P), the
-    completions (B·G, C), padded after their EOS, and their mask."""
+    """G completions per prompt, token by token with the KV cache, from softmax(logits / T) alone (no top-k or
+    top-p: section 4's log-probs describe exactly what sampled), each ending at its first EOS (any of
+    eos_token_ids; None: the tokenizer's). Returns prompts ×G (B·G, P), completions (B·G, C) and masks."""
     G, C, eos = args.num_generations, args.max_completion_length, tokenizer.eos_token_id
     eos = torch.as_tensor(eos if eos_token_ids is None else eos_token_ids, device=prompt_ids.device)
     positions = position_ids(prompt_mask)                                                 # (B, P)
@@ -163,9 +155,8 @@ def group_advantages(rewards, num_generations, scale_rewards="group"):
 # ---- 4. Per-token log-probs: log π(o_t | q, o_<t) of the completion tokens ----------------------------
 def plain_per_token_logps(model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature):
     """log π(o_t | q, o_<t) by its definition: one forward pass over prompt and completion; the state at t
-    predicts token t+1, so log_softmax(lm_head(h) / T) at the states before each completion token, gathered
-    at that token, with T the sampling temperature (π_old is exactly the distribution that sampled). The
-    trainer calls per_token_logps, the same numbers faster (Part II; tested equal, values and gradients)."""
+    predicts token t+1: log_softmax(lm_head(h) / T) before each completion token, gathered at it (T: the
+    sampling temperature, so π_old is what sampled). The trainer calls per_token_logps: the same, faster."""
     mask = torch.cat([prompt_mask, completion_mask], 1)                                   # (b, P+C)
     hidden = model.get_decoder()(input_ids=torch.cat([prompt_ids, completion_ids], 1), attention_mask=mask,
                                  position_ids=position_ids(mask)).last_hidden_state      # (b, P+C, H)
@@ -266,9 +257,8 @@ class GRPOTrainer:
         prompt_ids, prompt_mask = tokenize_prompts(self.tokenizer, prompts, args.max_prompt_length)
         lap(self, "generate")
         with autocast(self):
-            prompt_ids, prompt_mask, completion_ids, mask = generate_completions(
-                self.model, self.tokenizer, prompt_ids.to(self.device), prompt_mask.to(self.device), args,
-                self.eos_token_ids)
+            prompt_ids, prompt_mask, completion_ids, mask = generate_completions(self.model, self.tokenizer,
+                prompt_ids.to(self.device), prompt_mask.to(self.device), args, self.eos_token_ids)
         lap(self, None)
         # 3. The reward functions see text: each prompt, repeated G times, beside its completions.
         ids = [row[:n] for row, n in zip(completion_ids.tolist(), mask.sum(1).tolist())]  # to the first EOS
@@ -416,9 +406,8 @@ def all_reduce(trainer, x):  # sum over ranks, in place (dist.all_reduce returns
 def all_reduce_gradients(trainer):  # one flat buffer, one call
     grads = [p.grad for p in trainer.model.parameters() if p.grad is not None]
     if trainer.world_size > 1 and grads:
-        flat = all_reduce(trainer, torch.cat([g.flatten() for g in grads]))
-        for g, summed in zip(grads, flat.split([g.numel() for g in grads])):
-            g.copy_(summed.view_as(g))
+        flat = all_reduce(trainer, torch.nn.utils.parameters_to_vector(grads))
+        torch.nn.utils.vector_to_parameters(flat, grads)  # each gradient, now a view of the summed buffer
 
 def on_every_rank(trainer, fn, *args):  # user code (reward functions): an error on one rank is raised on
     try:                                # all, so that none is left waiting for the others in a collective
@@ -504,6 +493,10 @@ def start_run(trainer, resume_from_checkpoint):  # check again; resume, or start
             "trainable weights are not its optimizer's (a model replaced, or frozen since): make a new one")
     require(not (os.path.isdir(mine := trainer.model.config._name_or_path) and os.path.samefile(mine, out)),
             f"output_dir {out!r} is the model's own folder, which the run would overwrite: choose another")
+    P, C, config = args.max_prompt_length, args.max_completion_length, trainer.model.config
+    n = None if getattr(config, "rope_parameters", None) else getattr(config, "max_position_embeddings", None)
+    require(not n or (P or n) + C <= n, f"max_prompt_length={P} + max_completion_length={C} exceed "
+            f"the model's {n} positions (a learned table, as GPT-2's; rotary ones go on): lower them")
     trainer.model.activation_checkpointing_disable()  # as the config says now: set or unset since loading
     if args.gradient_checkpointing:
         trainer.model.activation_checkpointing_enable({"use_reentrant": False})
@@ -606,6 +599,9 @@ def save_checkpoint(trainer, final=False):  # rank 0, from the last finished ste
             trainer.tokenizer.save_pretrained(out)  # overwrite and roll back touch the listed files, no other
             names = sorted(set(os.listdir(out)) - before - {"final_model_files.json"})
             pathlib.Path(out, "final_model_files.json").write_text(json.dumps(names))
+    except Exception as e:  # a full disk? torch's message names neither that nor the path
+        shutil.rmtree(folder + ".tmp", ignore_errors=True)  # the unfinished folder: it frees its space
+        raise OSError(f"could not write {out!r} ({shutil.disk_usage(out).free >> 20} MiB free): {e!r}") from e
     finally:
         trainer.saving -= 1
     if trainer.signal and not trainer.saving:
@@ -642,6 +638,9 @@ def load_checkpoint(trainer, path):
         warnings.warn(f"resuming {path!r} with another config; the new values apply: {', '.join(changed)}")
     if state["step"] >= args.max_steps:  # (the final model is saved again)
         warnings.warn(f"checkpoint {path!r} at step {state['step']} >= max_steps: nothing is left to train")
+    shapes = {k: v.shape for k, v in trainer.model.state_dict().items()}  # another model's weights?
+    wrong = [(k, v.shape, shapes[k]) for k, v in weights.items() if shapes.get(k, v.shape) != v.shape]
+    require(not wrong, f"{file} is another model's (name, shape, the model's): {wrong[:1]}")
     load = sys.modules["peft"].set_peft_model_state_dict if peft else type(trainer.model).load_state_dict
     loaded = load(trainer.model, weights)  # an adapter: with peft's own loading (its keys name no adapter)
     require(not loaded.unexpected_keys, f"{file} holds weights the model lacks: {loaded.unexpected_keys[:1]}")
@@ -827,6 +826,7 @@ def load_policy(model, processing_class, peft_config, args, device):  # checked 
     require(processing_class is not None or model.config._name_or_path,
             "the model was built in memory, so it names no tokenizer: pass processing_class")
     tokenizer = processing_class or from_disk_or_hub(AutoTokenizer, model.config._name_or_path)
+    require(len(tokenizer) > 1, f"{model.config._name_or_path!r} holds no tokenizer: pass processing_class")
     require(tokenizer.eos_token_id is not None, "the tokenizer has no eos_token: completions could never end")
     if tokenizer.pad_token_id is None:  # padding is masked out, so any id will do; EOS is the usual choice
         tokenizer.pad_token = tokenizer.eos_token

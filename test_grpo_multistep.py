@@ -24,7 +24,8 @@ import safetensors.torch
 import torch
 from datasets import Dataset
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import (GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast,
+                          Qwen2Config, Qwen2ForCausalLM)
 
 import grpo_multistep as gm
 from grpo_multistep import GRPOConfig, GRPOTrainer, completion_mask, group_advantages, grpo_loss, per_token_logps
@@ -995,6 +996,35 @@ def test_a_model_built_in_memory_needs_its_tokenizer_passed(tmp_path):
                     Dataset.from_dict({"prompt": PROMPTS}))
 
 
+def test_a_model_folder_without_tokenizer_files_says_so(tmp_path):
+    """Its model type's tokenizer class loads with no vocabulary at all (only its EOS): every prompt would
+    render to 0 tokens. Named at construction instead, with what to pass."""
+    Qwen2ForCausalLM(Qwen2Config(vocab_size=300, hidden_size=32, intermediate_size=32, num_hidden_layers=1,
+                                 num_attention_heads=2, num_key_value_heads=1)).save_pretrained(tmp_path / "model")
+    with pytest.raises(ValueError, match=r"model' holds no tokenizer: pass processing_class"):
+        GRPOTrainer(str(tmp_path / "model"), short_is_good, GRPOConfig(output_dir=str(tmp_path / "out")),
+                    Dataset.from_dict({"prompt": PROMPTS}))
+
+
+def test_prompt_and_completion_past_a_learned_position_table_are_refused_at_the_start(tmp_path):
+    """GPT-2 learns one embedding per position: past its table, an IndexError deep in torch mid-run. A config
+    that could go past it is refused when train() starts; one that fits trains; a rotary model (no table)
+    runs past max_position_embeddings as before."""
+    tokenizer = make_tokenizer()
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=len(tokenizer), n_positions=20, n_embd=32, n_layer=1, n_head=2,
+                                      eos_token_id=tokenizer.eos_token_id, bos_token_id=None))
+    long_prompts = Dataset.from_dict({"prompt": ["the cat sat on the mat " * 2] * 8})  # > 16 tokens each
+    for prompt_length, match in ((16, "=16 \\+ max_completion_length=12 exceed the model's 20 positions"),
+                                 (None, "max_prompt_length=None")):
+        with pytest.raises(ValueError, match=match):
+            make_trainer(tmp_path, model=gpt2, tokenizer=tokenizer, dataset=long_prompts,
+                         max_prompt_length=prompt_length).train()
+    make_trainer(tmp_path, model=gpt2, tokenizer=tokenizer, max_prompt_length=8, max_steps=1).train()
+    rotary = make_model(tokenizer)
+    rotary.config.max_position_embeddings = 16
+    make_trainer(tmp_path / "rotary", model=rotary, tokenizer=tokenizer, max_steps=1).train()
+
+
 def test_prompts_as_a_list_of_rows_are_checked_like_a_dataset(tmp_path):
     trainer = make_trainer(tmp_path, dataset=[{"prompt": p, "answer": p} for p in PROMPTS])
     assert trainer.dataset.column_names == ["prompt", "answer"]
@@ -1570,6 +1600,24 @@ def test_a_refused_start_leaves_output_dir_unlocked(tmp_path):
     make_trainer(tmp_path).train()
 
 
+def test_a_full_disk_names_output_dir_and_its_free_space_and_keeps_the_earlier_checkpoints(tmp_path, monkeypatch):
+    """torch.save into a full disk fails with `unexpected pos …` and no path. The error names output_dir and
+    the space left there, the unfinished checkpoint-2.tmp is removed (it frees what it took), checkpoint-1
+    stays, and the run resumes from it once there is room."""
+    real_save = torch.save
+    def into_a_full_disk(obj, path, *args, **kwargs):
+        if isinstance(obj, dict) and obj.get("step") == 2:
+            os.symlink("/dev/full", path)  # every write there fails with ENOSPC
+        return real_save(obj, path, *args, **kwargs)
+    monkeypatch.setattr(torch, "save", into_a_full_disk)
+    with pytest.raises(OSError, match=r"could not write '.*out' \(\d+ MiB free\): RuntimeError"):
+        make_trainer(tmp_path, max_steps=3, save_steps=1).train()
+    assert sorted(os.listdir(tmp_path / "out")) == ["checkpoint-1", "metrics.jsonl"]
+    monkeypatch.undo()
+    make_trainer(tmp_path, max_steps=3, save_steps=1).train(resume_from_checkpoint=True)
+    assert [r["step"] for r in metrics_of(tmp_path / "out")] == [1, 2, 3]
+
+
 def test_resume_when_no_checkpoint_was_written_says_how_to_start_afresh(tmp_path):
     """A run killed before its first checkpoint leaves metrics.jsonl only: resuming says to start afresh
     with overwrite_output_dir=True, which a fresh start also asks for: no circle of messages."""
@@ -1615,6 +1663,20 @@ def test_a_checkpoint_whose_weights_are_a_pickle_names_the_missing_safetensors_f
     os.remove(checkpoint / "model.safetensors")
     with pytest.raises(ValueError, match=r"checkpoint-1/model.safetensors is missing"):
         make_trainer(tmp_path, max_steps=2).train(resume_from_checkpoint=True)
+
+
+def test_a_checkpoint_of_another_model_size_is_named_before_any_weight_loads(tmp_path):
+    """load_state_dict would copy the tensors that fit before it raised on the first that does not, leaving
+    a model half one, half the other. The shapes are compared first: the file is named, the model untouched."""
+    make_trainer(tmp_path, max_steps=1, save_steps=1).train()
+    tokenizer = make_tokenizer()
+    wider = LlamaForCausalLM(LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=64,
+                                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2))
+    before = {k: v.clone() for k, v in wider.state_dict().items()}
+    with pytest.raises(ValueError, match=r"checkpoint-1/model.safetensors is another model's .*"
+                                         r"torch.Size\(\[299, 32\]\), torch.Size\(\[299, 64\]\)"):
+        make_trainer(tmp_path, model=wider, tokenizer=tokenizer, max_steps=2).train(resume_from_checkpoint=True)
+    assert all(torch.equal(v, before[k]) for k, v in wider.state_dict().items())
 
 
 def test_gradient_checkpointing_set_back_to_false_turns_recomputation_off_again(tmp_path):
