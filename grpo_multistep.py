@@ -53,7 +53,7 @@ class GRPOConfig:
     max_completion_length: int = arg(256, "Maximum tokens generated per completion.")
     temperature: float = arg(1.0, "Sampling temperature; log-probs use the same one.")
     num_iterations: int = arg(1, "μ: optimizer steps on each mini-batch of a generation batch.")
-    steps_per_generation: int | None = arg(None, "Micro-batches per generation; None: one optimizer step's.")
+    steps_per_generation: int | None = arg(None, "Micro-batches per generation batch (None: one step's).")
     epsilon: float = arg(0.2, "Lower clipping range: ratio >= 1 - epsilon.")
     epsilon_high: float | None = arg(None, "Upper clipping range: ratio <= 1 + epsilon_high (None: epsilon).")
     beta: float = arg(0.0, "KL coefficient; 0 = no reference model at all.")
@@ -406,7 +406,7 @@ def all_reduce(trainer, x):  # sum over ranks, in place (dist.all_reduce returns
 def all_reduce_gradients(trainer):  # one flat buffer, one call
     grads = [p.grad for p in trainer.model.parameters() if p.grad is not None]
     if trainer.world_size > 1 and grads:
-        flat = all_reduce(trainer, torch.nn.utils.parameters_to_vector(grads))
+        flat = all_reduce(trainer, torch.cat([g.flatten() for g in grads]))
         torch.nn.utils.vector_to_parameters(flat, grads)  # each gradient, now a view of the summed buffer
 
 def on_every_rank(trainer, fn, *args):  # user code (reward functions): an error on one rank is raised on
@@ -496,7 +496,7 @@ def start_run(trainer, resume_from_checkpoint):  # check again; resume, or start
     P, C, config = args.max_prompt_length, args.max_completion_length, trainer.model.config
     n = None if getattr(config, "rope_parameters", None) else getattr(config, "max_position_embeddings", None)
     require(not n or (P or n) + C <= n, f"max_prompt_length={P} + max_completion_length={C} exceed "
-            f"the model's {n} positions (a learned table, as GPT-2's; rotary ones go on): lower them")
+            f"the model's table of {n} positions (as GPT-2's: past it, an IndexError): keep the sum <= {n}")
     trainer.model.activation_checkpointing_disable()  # as the config says now: set or unset since loading
     if args.gradient_checkpointing:
         trainer.model.activation_checkpointing_enable({"use_reentrant": False})
@@ -638,12 +638,12 @@ def load_checkpoint(trainer, path):
         warnings.warn(f"resuming {path!r} with another config; the new values apply: {', '.join(changed)}")
     if state["step"] >= args.max_steps:  # (the final model is saved again)
         warnings.warn(f"checkpoint {path!r} at step {state['step']} >= max_steps: nothing is left to train")
-    shapes = {k: v.shape for k, v in trainer.model.state_dict().items()}  # another model's weights?
-    wrong = [(k, v.shape, shapes[k]) for k, v in weights.items() if shapes.get(k, v.shape) != v.shape]
-    require(not wrong, f"{file} is another model's (name, shape, the model's): {wrong[:1]}")
-    load = sys.modules["peft"].set_peft_model_state_dict if peft else type(trainer.model).load_state_dict
-    loaded = load(trainer.model, weights)  # an adapter: with peft's own loading (its keys name no adapter)
-    require(not loaded.unexpected_keys, f"{file} holds weights the model lacks: {loaded.unexpected_keys[:1]}")
+    get, load = (type(trainer.model).state_dict, type(trainer.model).load_state_dict) if not peft else (
+        sys.modules["peft"].get_peft_model_state_dict, sys.modules["peft"].set_peft_model_state_dict)
+    theirs, mine = ({k: tuple(v.shape) for k, v in d.items()} for d in (weights, get(trainer.model)))
+    wrong = [(k, theirs.get(k), mine.get(k)) for k in sorted(theirs | mine) if theirs.get(k) != mine.get(k)]
+    require(not wrong, f"{file} is another model's (name, its shape, the model's): {wrong[:1]}")
+    load(trainer.model, weights)  # only now: a load that fails has copied the tensors that fit
     trainer.optimizer.load_state_dict(state["optimizer"])
     if trainer.rank == 0:  # once the checkpoint has loaded
         set_aside_after(trainer, state["step"])
@@ -826,7 +826,8 @@ def load_policy(model, processing_class, peft_config, args, device):  # checked 
     require(processing_class is not None or model.config._name_or_path,
             "the model was built in memory, so it names no tokenizer: pass processing_class")
     tokenizer = processing_class or from_disk_or_hub(AutoTokenizer, model.config._name_or_path)
-    require(len(tokenizer) > 1, f"{model.config._name_or_path!r} holds no tokenizer: pass processing_class")
+    require(len(tokenizer) > len(tokenizer.all_special_ids), "the tokenizer has special tokens only (a model "
+            f"folder without tokenizer files? {model.config._name_or_path!r}): pass processing_class")
     require(tokenizer.eos_token_id is not None, "the tokenizer has no eos_token: completions could never end")
     if tokenizer.pad_token_id is None:  # padding is masked out, so any id will do; EOS is the usual choice
         tokenizer.pad_token = tokenizer.eos_token
@@ -843,7 +844,6 @@ def load_policy(model, processing_class, peft_config, args, device):  # checked 
                 "scaling, an adapter on lm_head or the input?): per_token_logps's log-probs would be wrong")
     return model, tokenizer
 
-# Float32 trainable weights: bf16 rounds a 1e-6 AdamW step to a 0.01 weight away (bf16=True: mixed precision)
 def check_trainable(model):  # at construction, and at train(): after a trainer.model.to(torch.bfloat16)?
     dtypes = ", ".join(sorted({str(p.dtype) for p in model.parameters() if p.requires_grad})) or "none"
     require(dtypes == "torch.float32", f"{type(model).__name__}'s trainable weights are {dtypes}: train "

@@ -24,8 +24,8 @@ import safetensors.torch
 import torch
 from datasets import Dataset
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-from transformers import (GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast,
-                          Qwen2Config, Qwen2ForCausalLM)
+from transformers import (GemmaConfig, GemmaForCausalLM, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM,
+                          PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM)
 
 import grpo_multistep as gm
 from grpo_multistep import GRPOConfig, GRPOTrainer, completion_mask, group_advantages, grpo_loss, per_token_logps
@@ -996,12 +996,15 @@ def test_a_model_built_in_memory_needs_its_tokenizer_passed(tmp_path):
                     Dataset.from_dict({"prompt": PROMPTS}))
 
 
-def test_a_model_folder_without_tokenizer_files_says_so(tmp_path):
-    """Its model type's tokenizer class loads with no vocabulary at all (only its EOS): every prompt would
-    render to 0 tokens. Named at construction instead, with what to pass."""
-    Qwen2ForCausalLM(Qwen2Config(vocab_size=300, hidden_size=32, intermediate_size=32, num_hidden_layers=1,
-                                 num_attention_heads=2, num_key_value_heads=1)).save_pretrained(tmp_path / "model")
-    with pytest.raises(ValueError, match=r"model' holds no tokenizer: pass processing_class"):
+@pytest.mark.parametrize("kind", ["qwen2", "gemma"])
+def test_a_model_folder_without_tokenizer_files_says_so(tmp_path, kind):
+    """Its model type's tokenizer class loads with special tokens only: every prompt would render to 0 tokens
+    (Qwen2's) or to <unk>s (Gemma's). Named at construction instead, with what to pass."""
+    sizes = dict(vocab_size=300, hidden_size=32, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                 num_key_value_heads=1, head_dim=16)
+    model = Qwen2ForCausalLM(Qwen2Config(**sizes)) if kind == "qwen2" else GemmaForCausalLM(GemmaConfig(**sizes))
+    model.save_pretrained(tmp_path / "model")
+    with pytest.raises(ValueError, match=r"special tokens only .*model'\): pass processing_class"):
         GRPOTrainer(str(tmp_path / "model"), short_is_good, GRPOConfig(output_dir=str(tmp_path / "out")),
                     Dataset.from_dict({"prompt": PROMPTS}))
 
@@ -1014,7 +1017,7 @@ def test_prompt_and_completion_past_a_learned_position_table_are_refused_at_the_
     gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=len(tokenizer), n_positions=20, n_embd=32, n_layer=1, n_head=2,
                                       eos_token_id=tokenizer.eos_token_id, bos_token_id=None))
     long_prompts = Dataset.from_dict({"prompt": ["the cat sat on the mat " * 2] * 8})  # > 16 tokens each
-    for prompt_length, match in ((16, "=16 \\+ max_completion_length=12 exceed the model's 20 positions"),
+    for prompt_length, match in ((16, "=16 \\+ max_completion_length=12 exceed the model's table of 20 positions.*sum <= 20"),
                                  (None, "max_prompt_length=None")):
         with pytest.raises(ValueError, match=match):
             make_trainer(tmp_path, model=gpt2, tokenizer=tokenizer, dataset=long_prompts,
@@ -1665,18 +1668,21 @@ def test_a_checkpoint_whose_weights_are_a_pickle_names_the_missing_safetensors_f
         make_trainer(tmp_path, max_steps=2).train(resume_from_checkpoint=True)
 
 
-def test_a_checkpoint_of_another_model_size_is_named_before_any_weight_loads(tmp_path):
-    """load_state_dict would copy the tensors that fit before it raised on the first that does not, leaving
-    a model half one, half the other. The shapes are compared first: the file is named, the model untouched."""
+@pytest.mark.parametrize("other,match", [
+    (dict(intermediate_size=128), r"mlp.down_proj.weight', \(32, 64\), \(32, 128\)"),  # (name, file's, model's)
+    (dict(num_hidden_layers=3), r"layers.2.input_layernorm.weight', None, \(32,\)")], ids=["wider", "deeper"])
+def test_a_checkpoint_of_another_model_size_is_named_before_any_weight_loads(tmp_path, other, match):
+    """load_state_dict would copy the tensors that fit before it raised on the first that does not (another
+    width) or on the keys that one side lacks (another depth), leaving a model half one, half the other.
+    Names and shapes are compared first: the file and a tensor are named, the model is untouched."""
     make_trainer(tmp_path, max_steps=1, save_steps=1).train()
     tokenizer = make_tokenizer()
-    wider = LlamaForCausalLM(LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=64,
-                                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2))
-    before = {k: v.clone() for k, v in wider.state_dict().items()}
-    with pytest.raises(ValueError, match=r"checkpoint-1/model.safetensors is another model's .*"
-                                         r"torch.Size\(\[299, 32\]\), torch.Size\(\[299, 64\]\)"):
-        make_trainer(tmp_path, model=wider, tokenizer=tokenizer, max_steps=2).train(resume_from_checkpoint=True)
-    assert all(torch.equal(v, before[k]) for k, v in wider.state_dict().items())
+    model = make_model(tokenizer)
+    model = LlamaForCausalLM(LlamaConfig(**{**model.config.to_dict(), **other}))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match=r"checkpoint-1/model.safetensors is another model's .*" + match):
+        make_trainer(tmp_path, model=model, tokenizer=tokenizer, max_steps=2).train(resume_from_checkpoint=True)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
 
 
 def test_gradient_checkpointing_set_back_to_false_turns_recomputation_off_again(tmp_path):
@@ -1914,7 +1920,7 @@ def test_an_adapter_checkpoint_of_other_modules_or_truncated_is_refused_by_name(
     """Resuming loads the adapter with peft's own loading, which would skip, silently, weights of modules
     that this model's adapter does not have: a checkpoint of another LoRA config is refused."""
     make_trainer(tmp_path, save_steps=1, peft_config=lora()).train()
-    with pytest.raises(ValueError, match="holds weights the model lacks"):
+    with pytest.raises(ValueError, match="adapter_model.safetensors is another model's .*lora"):
         make_trainer(tmp_path, save_steps=1, peft_config=lora(target_modules=["k_proj", "o_proj"])).train(
             resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-1"))
     damaged = tmp_path / "out" / "checkpoint-1" / "adapter_model.safetensors"
