@@ -11,8 +11,11 @@ so the loss carries PPO's clipped importance ratio against π_old's log-probs, c
     coef_1 = π_θ(o_t) / π_old(o_t) = exp(logp - old_logp),    coef_2 = clamp(coef_1, 1 - ε, 1 + ε_high)
     loss_t = -min(coef_1 · A, coef_2 · A) + β · KL_t(π_θ ‖ π_ref)
 
-With μ = 1, π_θ *is* π_old: old_logp = logp.detach(), no extra forward pass, and the gradient is exactly
-that of the single-step GRPO loss -exp(logp - logp.detach()) · A.
+A generation batch may also hold S > 1 optimizer steps' worth of completions (TRL's steps_per_generation);
+each of its S mini-batches is then used μ times, so that μ·S optimizer steps share one generation. With
+μ·S = 1, π_θ *is* π_old: old_logp = logp.detach(), no extra forward pass, and the gradient is exactly that
+of the single-step GRPO loss -exp(logp - logp.detach()) · A. With μ·S > 1 the batch's first step still has
+ρ = 1; every later one (a reuse with μ > 1, a stale mini-batch with S > 1) is off-policy and clipped.
 
 Part I is the algorithm, in the order of Algorithm 1; Part II, the engineering it calls in one line each.
 Left out on purpose: vLLM and `model.generate` (a plain loop samples exactly what the log-probs describe),
@@ -58,7 +61,7 @@ class GRPOConfig:
     epsilon_high: float | None = arg(None, "Upper clipping range: ratio <= 1 + epsilon_high (None: epsilon).")
     beta: float = arg(0.0, "KL coefficient; 0 = no reference model at all.")
     use_bias_correction_kl: bool = arg(False, "Weigh the KL term by the ratio ρ (TRL 1.16's default: True).")
-    loss_type: str = arg("grpo", "'grpo' (sequence mean), 'bnpo' (TRL PR #2899's), 'dapo' or 'dr_grpo'.")
+    loss_type: str = arg("grpo", "'grpo' (sequence mean), 'bnpo' (PR #2899's), 'dapo' (token mean), 'dr_grpo'.")
     scale_rewards: str = arg("group", "'group': divide advantages by the group's reward std; 'none': don't.")
     reward_weights: list[float] | None = arg(None, "One weight per reward function (None = all 1).")
     model_init_kwargs: dict | str | None = arg(None, "from_pretrained's kwargs (JSON too); default float32.")
@@ -80,7 +83,8 @@ def tokenize_prompts(tokenizer, prompts, max_prompt_length):
     """Text, with the tokenizer's special tokens (BOS) as in TRL, or conversations through the chat template
     (which writes its own); each cut to its last max_prompt_length tokens and left-padded, so that every
     completion starts at one column, right after the end of its prompt."""
-    if chat := not isinstance(prompts[0], str):
+    chat = not isinstance(prompts[0], str)
+    if chat:
         prompts = [tokenizer.apply_chat_template(p, tokenize=False, add_generation_prompt=True)
                    for p in prompts]
     ids = check_prompt_ids(tokenizer(prompts, add_special_tokens=not chat)["input_ids"], max_prompt_length)
@@ -163,14 +167,24 @@ def plain_per_token_logps(model, prompt_ids, prompt_mask, completion_ids, comple
     logits = model.get_output_embeddings()(hidden[:, prompt_ids.size(1) - 1:-1]).float()  # (b, C, V)
     return (logits / temperature).log_softmax(-1).gather(-1, completion_ids[..., None]).squeeze(-1)  # (b, C)
 
+def rows(batch, start, stop):  # rows [start, stop) of every per-completion tensor; the 0-dim ones whole
+    return {k: v[start:stop] if v.dim() else v for k, v in batch.items()}
+
+def mini_batches(batch, S):
+    """A generation batch cut into its S mini-batches: one optimizer step's completions each."""
+    n = len(batch["completion_mask"]) // S
+    return [rows(batch, j * n, (j + 1) * n) for j in range(S)]
+
 def micro_batches(batch, size):
-    """Micro-batches of `size` completions (gradient accumulation); the 0-dim normalizers pass whole."""
+    """A mini-batch cut into micro-batches of `size` completions, one forward and backward each (gradient
+    accumulation), each cut to its longest prompt and completion: padding costs compute, changes nothing."""
     for i in range(0, len(batch["completion_mask"]), size):
-        mb = {k: v[i:i + size] if v.dim() else v for k, v in batch.items()}
-        # Cut the columns that no row of it uses: padding costs compute and changes nothing (it is masked).
+        mb = rows(batch, i, i + size)
         c, p = int(mb["completion_mask"].sum(1).max()), int(mb["prompt_mask"].sum(1).max())
-        cut = lambda k, v: v[:, v.size(1) - p:] if k.startswith("prompt") else v[:, :c]  # prompts: left pad
-        yield {k: cut(k, v) if v.dim() == 2 else v for k, v in mb.items()}
+        for k, v in mb.items():
+            if v.dim() == 2:  # prompts are left-padded: keep their last p columns; completions their first c
+                mb[k] = v[:, v.size(1) - p:] if k.startswith("prompt") else v[:, :c]
+        yield mb
 
 @torch.no_grad()
 def cached_logps(trainer, model, batch):
@@ -201,10 +215,11 @@ def grpo_loss(logps, old_logps, ref_logps, advantages, mask, args, num_seqs, num
         per_token_loss = per_token_loss + args.beta * per_token_kl
     if args.loss_type == "grpo":    # paper: mean over each sequence's tokens, then over sequences
         loss = ((per_token_loss * mask).sum(1) / mask.sum(1).clamp(min=1)).sum() / num_seqs
-    elif args.loss_type == "bnpo":  # TRL PR #2899's: each micro-batch's token mean, × its share of the step
+    elif args.loss_type == "bnpo":  # TRL PR #2899's: each micro-batch's token mean, weighted by its share
+        # len(mask) / num_seqs of the step's sequences, so that the step's micro-batch losses add up to 1 mean
         loss = (per_token_loss * mask).sum() / mask.sum().clamp(min=1) * len(mask) / num_seqs
-    elif args.loss_type == "dapo":  # DAPO: mean over all tokens of the step (long answers weigh more)
-        loss = (per_token_loss * mask).sum() / num_tokens
+    elif args.loss_type == "dapo":  # DAPO: sum over tokens ÷ the step's tokens (with S > 1: their mean per
+        loss = (per_token_loss * mask).sum() / num_tokens  # step over the generation batch, as TRL's)
     else:                           # Dr. GRPO: constant normalizer, no length bias at all
         loss = (per_token_loss * mask).sum() / (num_seqs * args.max_completion_length)
     with torch.no_grad():  # metrics: clipped tokens (only where the clip removes the gradient), KL
@@ -236,14 +251,19 @@ class GRPOTrainer:
         """Algorithm 1: a generation batch of S mini-batches, then μ passes over them, an optimizer step per
         mini-batch: μ·S steps per generation. TRL's two readings of "multi-step": μ > 1 (TRL PR #2899)
         reuses each mini-batch; S > 1 (steps_per_generation) uses each once, later ones stale by updates."""
-        with checkpoint_on_failure(self, resume_from_checkpoint):  # start_run: check, lock, resume or seed;
-            args, S = self.args, mini_batches_per_generation(self.args)  # then a failure checkpoints
+        # start_run checks the inputs, locks output_dir, resumes or seeds; from then on a failure checkpoints.
+        with checkpoint_on_failure(self, resume_from_checkpoint):
+            args, S = self.args, mini_batches_per_generation(self.args)
+            cycle = args.num_iterations * S  # optimizer steps per generation batch
+            # A resume inside a generation batch has its batch back from the checkpoint.
+            minibatches = None if self.batch is None else mini_batches(self.batch, S)
             while self.step < args.max_steps and not self.should_stop:
                 metrics = {}
-                if self.step % (args.num_iterations * S) == 0:         # a new generation batch
-                    self.batch, metrics = self.generate_and_score(self.step // (args.num_iterations * S))
-                minibatch = list(micro_batches(self.batch, len(self.batch["advantages"]) // S))[self.step % S]
-                metrics.update(self.optimizer_step(minibatch))  # mini-batch step % S: μ passes over the S
+                if self.step % cycle == 0:  # a new generation batch: generate, score, cache, cut in S
+                    self.batch, metrics = self.generate_and_score(self.step // cycle)
+                    minibatches = mini_batches(self.batch, S)
+                j = self.step % cycle  # this step's place in the cycle: pass j // S (of μ), mini-batch j % S
+                metrics.update(self.optimizer_step(minibatches[j % S]))
                 self.step += 1  # the last finished step, the one that a failure from here on checkpoints
                 end_of_step(self, metrics)               # log, checkpoint, stop on trouble (Part II)
             save_checkpoint(self, final=True)            # and the trained model, into output_dir (Part II)
@@ -271,12 +291,14 @@ class GRPOTrainer:
         weights = torch.tensor(args.reward_weights or [1.0] * len(self.reward_funcs))        # (F,)
         rewards = (rewards_per_func * weights).nansum(1)                     # (N,): r_i = Σ_f w_f r_if
         advantages = group_advantages(rewards, G, args.scale_rewards).to(self.device)      # (N,)
+        # The loss's normalizers count one optimizer step: its completions (num_seqs) and their tokens
+        # (num_tokens), over every micro-batch and every rank. A generation batch holds S steps' worth, so
+        # each is its total over the ranks divided by S; num_tokens is thus the mean per step (TRL's dapo).
+        num_seqs = all_reduce(self, torch.tensor(float(len(mask)), device=self.device)) / S
+        num_tokens = all_reduce(self, mask.sum().float()) / S
         batch = {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "completion_ids": completion_ids,
                  "completion_mask": mask, "advantages": advantages,
-                 # the loss's normalizers: one optimizer step's share of the generation batch (every micro-
-                 # batch, every rank); num_tokens: the generation batch's mean per step, as TRL's dapo
-                 "num_seqs": all_reduce(self, torch.tensor(float(len(mask)), device=self.device)) / S,
-                 "num_tokens": all_reduce(self, mask.sum().float()) / S}
+                 "num_seqs": num_seqs, "num_tokens": num_tokens}
         # 4. Cached log-probs, once per generation batch: π_old only where a step is not the batch's first
         # (with μ·S = 1 the training pass's own log-probs, detached, are π_old's), π_ref only when β > 0.
         lap(self, "logps")

@@ -176,6 +176,35 @@ def test_steps_per_generation_of_one_optimizer_step_is_the_default_loop_bit_for_
     assert_same_run(run_to_end(tmp_path, "none"), run_to_end(tmp_path, "ga", steps_per_generation=2))
 
 
+def test_the_readmes_worked_schedule(tmp_path, monkeypatch):
+    """README's example: gradient_accumulation_steps = 2, steps_per_generation = 8, num_iterations = 2,
+    max_steps = 32. A generation batch holds S = 8 / 2 = 4 mini-batches and serves μ·S = 8 steps: it
+    generates before steps 1, 9, 17 and 25, and steps 1-8 use mini-batches 0 1 2 3 0 1 2 3 (two passes)."""
+    trainer = make_trainer(tmp_path, per_device_train_batch_size=4, gradient_accumulation_steps=2,
+                           steps_per_generation=8, num_iterations=2, max_steps=32, max_completion_length=4)
+    generated_before, used, split = [], [], gm.mini_batches
+    generate_and_score, optimizer_step = trainer.generate_and_score, trainer.optimizer_step
+
+    def generate(k):
+        generated_before.append(trainer.step + 1)  # the step about to be taken, counted from 1
+        return generate_and_score(k)
+
+    def cut(batch, S):
+        trainer.cut = split(batch, S)
+        return trainer.cut
+
+    def step(minibatch):
+        used.append([i for i, m in enumerate(trainer.cut) if m is minibatch])
+        return optimizer_step(minibatch)
+
+    monkeypatch.setattr(gm, "mini_batches", cut)
+    trainer.generate_and_score, trainer.optimizer_step = generate, step
+    trainer.train()
+    assert generated_before == [1, 9, 17, 25]
+    assert [u for (u,) in used] == [0, 1, 2, 3, 0, 1, 2, 3] * 4
+    assert len(trainer.batch["advantages"]) == 32 and len(trainer.cut[0]["advantages"]) == 8  # 4 × 2 a step
+
+
 def test_steps_per_generation_cuts_a_generation_batch_into_fresh_mini_batches_against_its_pi_old(tmp_path):
     """S = 2: one generation batch of 2 optimizer steps' completions. Its first mini-batch has ratio 1 and
     μ = 1's gradient; the second is stale: the update before it moved π_θ off the cached π_old, so its
@@ -183,7 +212,7 @@ def test_steps_per_generation_cuts_a_generation_batch_into_fresh_mini_batches_ag
     trainer = make_trainer(tmp_path, steps_per_generation=4, learning_rate=0.1)  # S = 4 / 2
     torch.manual_seed(0)
     batch, _ = trainer.generate_and_score(0)
-    first, second = gm.micro_batches(batch, 8)  # two mini-batches of one optimizer step's 8 completions
+    first, second = gm.mini_batches(batch, 2)  # two mini-batches of one optimizer step's 8 completions
     assert len(batch["advantages"]) == 16 and batch["num_seqs"] == 8  # normalizers: one step's share
     assert batch["num_tokens"] == batch["completion_mask"].sum() / 2  # TRL's dapo: the batch's mean per step
     mu1 = make_trainer(tmp_path)  # the same weights; without old_logps it takes π_old = π_θ detached
@@ -1846,14 +1875,16 @@ def test_reward_functions_with_the_same_name_keep_a_metric_each(tmp_path):
 # ---------------------------------------------------------------------------------------------------
 def test_readme_term_table_links_the_lines_that_hold_the_quoted_code_in_part_one():
     """Each row of the README's term -> code table quotes a line of grpo_multistep.py and links to it. The
-    quote must occur once in the file, at the linked line, in Part I (the algorithm: at most 340 lines)."""
+    quote must occur once in the file, at the linked line, in Part I (the algorithm: at most 360 lines)."""
     here = os.path.dirname(os.path.abspath(__file__))
     source = open(os.path.join(here, "grpo_multistep.py")).read().splitlines()
     part_two = next(i for i, text in enumerate(source, 1) if "PART II" in text)
-    assert part_two <= 341, f"Part I runs to line {part_two - 1}"
-    rows = re.findall(r"\| `([^`]+)` \| \[grpo_multistep\.py#L(\d+)\]", open(os.path.join(here, "README.md")).read())
+    assert part_two <= 361, f"Part I runs to line {part_two - 1}"
+    readme = open(os.path.join(here, "README.md")).read()
+    rows = re.findall(r"\| `([^`]+)` \| \[L(\d+)\]\(grpo_multistep\.py#L(\d+)\)", readme)
     assert len(rows) >= 10
-    for code, line in rows:
+    for code, line, target in rows:
+        assert line == target, f"README's link for {code!r} names line {line} but goes to {target}"
         found = [i for i, text in enumerate(source, 1) if code in text]
         assert len(found) == 1, f"README quotes {code!r}, found at lines {found} of grpo_multistep.py"
         assert int(line) == found[0] < part_two, f"README links {code!r} to line {line}, it is at {found[0]}"
