@@ -21,7 +21,7 @@ Part I is the algorithm, in the order of Algorithm 1; Part II, the engineering i
 Left out on purpose: vLLM and `model.generate` (a plain loop samples exactly what the log-probs describe),
 DeepSpeed and FSDP (all-reduce serves models that fit a GPU), warmup, Algorithm 1's π_ref ← π_θ resets.
 """
-import copy, functools, importlib.util, itertools, json, math, numbers, os, random, shutil, signal
+import atexit, copy, functools, importlib.util, itertools, json, math, numbers, os, random, shutil, signal
 import pathlib, re, sys, tempfile, threading, time, typing, warnings
 from collections import abc, defaultdict
 from contextlib import ExitStack, contextmanager, nullcontext, suppress
@@ -61,7 +61,7 @@ class GRPOConfig:
     epsilon_high: float | None = arg(None, "Upper clipping range: ratio <= 1 + epsilon_high (None: epsilon).")
     beta: float = arg(0.0, "KL coefficient; 0 = no reference model at all.")
     use_bias_correction_kl: bool = arg(False, "Weigh the KL term by the ratio ρ (TRL 1.16's default: True).")
-    loss_type: str = arg("grpo", "'grpo' (sequence mean), 'bnpo' (PR #2899's), 'dapo' (token mean), 'dr_grpo'.")
+    loss_type: str = arg("grpo", "'grpo' (sequence mean), 'bnpo' (TRL PR #2899's), 'dapo' or 'dr_grpo'.")
     scale_rewards: str = arg("group", "'group': divide advantages by the group's reward std; 'none': don't.")
     reward_weights: list[float] | None = arg(None, "One weight per reward function (None = all 1).")
     model_init_kwargs: dict | str | None = arg(None, "from_pretrained's kwargs (JSON too); default float32.")
@@ -419,8 +419,13 @@ def init_distributed():  # the ranks' gradients sum to the step's (DDP's job; it
         if cuda:
             torch.cuda.set_device(local_rank)  # before any collective: NCCL uses the current device
         dist.init_process_group("nccl" if cuda else "gloo")
+        atexit.register(end_distributed)  # else NCCL's threads may abort the exit, after the work is saved
     rank, world_size = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     return rank, world_size, torch.device(f"cuda:{local_rank}" if cuda else "cpu")
+
+def end_distributed():  # the process group that init_distributed made, unless the script ended it already
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 def all_reduce(trainer, x):  # sum over ranks, in place (dist.all_reduce returns None; one process: x as is)
     return dist.all_reduce(x) or x if trainer.world_size > 1 else x
@@ -476,11 +481,12 @@ def end_of_step(trainer, metrics):  # log every logging_steps, checkpoint every 
     for k, v in metrics.items():
         trainer.window[k].append(v)
     if trainer.step % trainer.args.logging_steps == 0 or trainer.step == trainer.args.max_steps:
+        row = {"step": trainer.step, **{k: sum(v) / len(v) for k, v in trainer.window.items()},
+               "elapsed": trainer.snapshot[trainer.rank]["elapsed"]}
+        trainer.window.clear()  # handed to log(): a checkpoint from here on holds the steps after this row
         trainer.saving += 1  # a signal waits for log() (a tracker's upload): a step saved is a step logged
-        trainer.log({"step": trainer.step, **{k: sum(v) / len(v) for k, v in trainer.window.items()},
-                     "elapsed": trainer.snapshot[trainer.rank]["elapsed"]})
+        trainer.log(row)
         trainer.saving -= 1  # (if log() fails, train() ends: no need to undo it)
-        trainer.window.clear()
     if trainer.signal:  # it came during the update or log(), which ended first
         raise stop_for(trainer.signal)
     if trainer.step % trainer.args.save_steps == 0 and trainer.step < trainer.args.max_steps:
@@ -534,10 +540,16 @@ def start_run(trainer, resume_from_checkpoint):  # check again; resume, or start
     require(own or not earlier or args.overwrite_output_dir, f"output_dir {out!r} holds another run ("
             f"{', '.join(map(os.path.basename, earlier))}): resume it with train(resume_from_checkpoint="
             "True), choose another output_dir, or set overwrite_output_dir=True (deletes it, starts afresh)")
+    # The final save writes the model's and tokenizer's files into output_dir: never over a user's own.
+    ran = set(map(os.path.basename, earlier))
+    theirs = sorted(final_save_names(trainer) & set(os.listdir(out)) - ran)
+    require(not theirs or args.overwrite_output_dir, f"output_dir {out!r} holds {', '.join(theirs)}, which "
+            "no run here wrote and the final save would overwrite: choose another output_dir, or set "
+            "overwrite_output_dir=True (the final save then overwrites them)")
     if earlier and not own and trainer.rank == 0:  # what that run wrote, and nothing else
         warnings.warn("overwrite_output_dir deletes " + ", ".join(map(os.path.basename, earlier)))
         for p in earlier:
-            (shutil.rmtree if os.path.isdir(p) else os.remove)(p)
+            remove(p)
     new_run(trainer)
     if path:
         load_checkpoint(trainer, path)
@@ -608,12 +620,14 @@ def save_checkpoint(trainer, final=False):  # rank 0, from the last finished ste
             shutil.rmtree(folder + ".tmp", ignore_errors=True)
             trainer.model.save_pretrained(folder + ".tmp")
             torch.save({"step": step, "optimizer": trainer.optimizer.state_dict(), "ranks": trainer.snapshot,
-                        "config": {**asdict(args), "train_dataset": trainer.dataset._fingerprint},
+                        "config": {**asdict(args), "train_dataset": trainer.dataset._fingerprint,
+                                   "adapter": adapter_config(trainer.model)},
+                        "window": dict(trainer.window),  # the metrics of the steps since the last row
                         "lr_step": trainer.scheduler.last_epoch, "world_size": trainer.world_size,
                         "nonfinite_in_a_row": trainer.nonfinite_in_a_row}, f"{folder}.tmp/trainer_state.pt")
             os.replace(folder + ".tmp", folder)  # atomic: a checkpoint folder is complete or absent
             for old in list_checkpoints(out)[:-(args.save_total_limit or 0)]:  # None: keep all
-                shutil.rmtree(old)
+                remove(old)
             trainer.saved_step = step
         if final and trainer.rank == 0:  # the model, for from_pretrained(output_dir), then a list of it
             before = set(os.listdir(out)) - set(map(os.path.basename, final_model_files(out)))  # (earlier's)
@@ -639,37 +653,58 @@ def load_checkpoint(trainer, path):
     path, file = found[-1], os.path.join(found[-1], "trainer_state.pt")
     require(os.path.isfile(file), f"resume_from_checkpoint={path!r} is not a checkpoint: "
             + ("no trainer_state.pt in it" if os.path.isdir(path) else "not a checkpoint-<step> folder"))
-    try:  # tensors and plain Python values only (no pickled pytorch_model.bin): it cannot run code
-        state, peft = torch.load(file, map_location=trainer.device, weights_only=True), is_peft(trainer.model)
-        file = os.path.join(path, "adapter_model.safetensors" if peft else "model.safetensors")
-        weights = (safetensors.torch.load_file(file, device=str(trainer.device)) if peft else
-                   AutoModelForCausalLM.from_pretrained(path, use_safetensors=True).state_dict())  # its dtype
+    peft = is_peft(trainer.model)
+    names = ("adapter_model.safetensors", "model.safetensors")
+    wanted, other = (os.path.join(path, n) for n in (names if peft else names[::-1]))
+    require(os.path.exists(wanted) or not os.path.exists(other), f"checkpoint {path!r} holds "
+            f"{os.path.basename(other)}: it was written by a run that trained "
+            f"{'the whole model' if peft else 'a LoRA adapter'}; this one trains "
+            f"{'an adapter' if peft else 'the whole model'}: resume it with the same kind of model")
+    try:  # tensors and plain Python values only (no pickled pytorch_model.bin), no config: no code runs
+        state = torch.load(file, map_location=trainer.device, weights_only=True)
+        file = wanted
+        weights = safetensors.torch.load_file(file, device=str(trainer.device))  # the file's own tensors
     except Exception as e:
         raise ValueError(f"{file} holds objects other than tensors and plain values (it could run code)"
                          if "Weights only load failed" in str(e) else f"{file} is missing" if not
-                         os.path.exists(file) else f"{file} is corrupted ({e})") from e
+                         os.path.exists(file) else f"{file} is corrupted ({e})") from None
+    get, load = (type(trainer.model).state_dict, type(trainer.model).load_state_dict) if not peft else (
+        sys.modules["peft"].get_peft_model_state_dict, sys.modules["peft"].set_peft_model_state_dict)
+    state_dict = get(trainer.model)  # a tied weight (lm_head = embed_tokens) is in the file once
+    present = {state_dict[k].data_ptr() for k in weights if k in state_dict}
+    tied = {k for k in state_dict if k not in weights and state_dict[k].data_ptr() in present}
+    theirs, ours = ({k: tuple(v.shape) for k, v in d.items() if k not in tied} for d in (weights, state_dict))
+    wrong = [(k, theirs.get(k), ours.get(k)) for k in sorted(theirs | ours) if theirs.get(k) != ours.get(k)]
+    require(not wrong, f"{file} is another model's (name, its shape, the model's; None: missing): {wrong[:1]}")
+    check_trainer_state(trainer, state, os.path.join(path, "trainer_state.pt"))  # before anything loads
     saved = {**state["config"], "world_size": state["world_size"]}
-    current = dict(asdict(args), world_size=trainer.world_size, train_dataset=trainer.dataset._fingerprint)
+    current = dict(asdict(args), world_size=trainer.world_size, train_dataset=trainer.dataset._fingerprint,
+                   adapter=adapter_config(trainer.model))
+    for c in (saved, current):  # steps_per_generation None is gradient_accumulation_steps: the same shape
+        c["steps_per_generation"] = c.get("steps_per_generation") or c["gradient_accumulation_steps"]
     diff = {k: (saved.get(k), current[k]) for k in shape if saved.get(k) != current[k]}  # .get: older ones
     require(not diff, f"checkpoint {path!r} was written with a different batch shape (then, now): {diff}")
+    require(saved.get("adapter", current["adapter"]) == current["adapter"], f"checkpoint {path!r}'s adapter "
+            f"was made with another LoRA config (then, now): {saved.get('adapter')} != {current['adapter']}:"
+            " its weights would compute another policy. Resume with the same peft_config")
     this_rank, remade = state["ranks"][trainer.rank], [k for k in cached if saved[k] != current[k]]
     require(not remade or this_rank["batch"] is None, f"checkpoint {path!r} is inside a μ cycle whose "
             f"cached batch was made with other {remade}: resume with its values, or from a cycle boundary")
-    if changed := [f"{k} {v!r} -> {current.get(k)!r}" for k, v in saved.items()
-                   if v != current.get(k) and k not in ("output_dir", "overwrite_output_dir")]:
+    changed = [f"{k} {v!r} -> {current.get(k)!r}" for k, v in saved.items()
+               if v != current.get(k) and k not in ("output_dir", "overwrite_output_dir")]
+    if changed:
         warnings.warn(f"resuming {path!r} with another config; the new values apply: {', '.join(changed)}")
     if state["step"] >= args.max_steps:  # (the final model is saved again)
         warnings.warn(f"checkpoint {path!r} at step {state['step']} >= max_steps: nothing is left to train")
-    get, load = (type(trainer.model).state_dict, type(trainer.model).load_state_dict) if not peft else (
-        sys.modules["peft"].get_peft_model_state_dict, sys.modules["peft"].set_peft_model_state_dict)
-    theirs, mine = ({k: tuple(v.shape) for k, v in d.items()} for d in (weights, get(trainer.model)))
-    wrong = [(k, theirs.get(k), mine.get(k)) for k in sorted(theirs | mine) if theirs.get(k) != mine.get(k)]
-    require(not wrong, f"{file} is another model's (name, its shape, the model's): {wrong[:1]}")
-    load(trainer.model, weights)  # only now: a load that fails has copied the tensors that fit
+    if peft:
+        load(trainer.model, weights)  # only now: a load that fails has copied the tensors that fit
+    else:
+        load(trainer.model, weights, strict=False)  # strict but for the tied weights, checked above
     trainer.optimizer.load_state_dict(state["optimizer"])
     if trainer.rank == 0:  # once the checkpoint has loaded
         set_aside_after(trainer, state["step"])
     trainer.step, trainer.nonfinite_in_a_row = state["step"], state["nonfinite_in_a_row"]
+    trainer.window = defaultdict(list, state.get("window", {}))  # the steps logged by no row yet
     trainer.batch, trainer.samples, rng = this_rank["batch"], this_rank["samples"], this_rank["rng"]
     random.setstate(rng["python"])
     torch.set_rng_state(rng["torch"].cpu())
@@ -678,6 +713,30 @@ def load_checkpoint(trainer, path):
         numpy.random.set_state((np_state[0], numpy.array(np_state[1], numpy.uint32), *np_state[2:]))
     trainer.scheduler = lr_schedule(trainer, state["lr_step"])
     trainer.start_time -= this_rank.get("elapsed", 0.0)  # the clock goes on (earlier versions: not saved)
+
+def check_trainer_state(trainer, state, file):  # what load_checkpoint reads: whole, and this trainer's
+    keys = {"step", "optimizer", "ranks", "config", "lr_step", "world_size", "nonfinite_in_a_row"}
+    missing = sorted(keys - set(state)) if isinstance(state, dict) else "everything"
+    require(not missing, f"{file} lacks {missing}: not a checkpoint of this trainer (or an edited one)")
+    params = [p for group in trainer.optimizer.param_groups for p in group["params"]]
+    saved = [len(group["params"]) for group in state["optimizer"].get("param_groups", [])]
+    require(saved == [len(g["params"]) for g in trainer.optimizer.param_groups], f"{file}'s optimizer state "
+            f"is for weights {saved} (per group), this model trains {len(params)}")
+    moments = state["optimizer"].get("state", {})  # AdamW's: none before the first step, then every weight's
+    require(not moments or set(moments) == set(range(len(params))), f"{file}'s optimizer state has the "
+            f"moments of {len(moments)} of {len(params)} weights: a resume would restart the others'")
+    ranks = state["ranks"]
+    rng = ranks[trainer.rank].get("rng", {}) if isinstance(ranks, list) and trainer.rank < len(ranks) else {}
+    same = torch.is_tensor(rng.get("torch")) and rng["torch"].numel() == torch.get_rng_state().numel()
+    require(same, f"{file}'s random number states are garbled: a resume could not draw the same samples")
+
+def adapter_config(model):  # a PeftModel's adapter config, what its weights mean (None: no adapter), as JSON
+    if not is_peft(model):
+        return None
+    config = model.peft_config["default"].to_dict()
+    for k in ("base_model_name_or_path", "revision", "inference_mode"):  # where it came from, not what it is
+        config.pop(k, None)
+    return json.dumps(config, sort_keys=True, default=lambda v: sorted(v) if isinstance(v, set) else str(v))
 
 def set_aside_after(trainer, step):  # what output_dir's run logged after `step`: a roll-back keeps it aside
     out, metrics = trainer.args.output_dir, os.path.join(trainer.args.output_dir, "metrics.jsonl")
@@ -697,15 +756,30 @@ def set_aside_after(trainer, step):  # what output_dir's run logged after `step`
         os.replace(metrics + ".tmp", metrics)
 
 def final_model_files(out):  # the entries of output_dir that final_model_files.json lists, and itself
-    with suppress(FileNotFoundError, ValueError):  # (no list or a broken one: no file is the run's)
-        names = {*json.loads((file := pathlib.Path(out, "final_model_files.json")).read_text()), file.name}
-        return [os.path.join(out, n) for n in sorted(names & set(os.listdir(out)))]  # no path out of out
-    return []
+    file = pathlib.Path(out, "final_model_files.json")
+    try:
+        names = json.loads(file.read_text())
+    except (FileNotFoundError, ValueError):
+        return []
+    if not (isinstance(names, list) and all(isinstance(n, str) for n in names)):  # a broken list: none
+        return []
+    return [os.path.join(out, n) for n in sorted({*names, file.name} & set(os.listdir(out)))]  # in out only
 
-def list_checkpoints(output_dir):  # the complete ones, oldest first (not checkpoint-<step>.tmp)
+def list_checkpoints(output_dir):  # the complete ones, oldest first (not checkpoint-<step>.tmp), as named
     names = os.listdir(output_dir) if os.path.isdir(output_dir) else []
-    steps = [int(n[11:]) for n in names if n.startswith("checkpoint-") and n[11:].isdigit()]
-    return [os.path.join(output_dir, f"checkpoint-{s}") for s in sorted(steps)]
+    steps = {int(n[11:]): n for n in names if n.startswith("checkpoint-") and n[11:].isdigit()}
+    return [os.path.join(output_dir, steps[s]) for s in sorted(steps)]
+
+def final_save_names(trainer):  # the files that the final save writes into output_dir
+    with tempfile.TemporaryDirectory() as tmp:
+        trainer.tokenizer.save_pretrained(tmp)  # the tokenizer's: saved here to know them (it is small)
+        names = set(os.listdir(tmp))
+    if is_peft(trainer.model):  # the adapter's, and peft's model card
+        return names | {"adapter_config.json", "adapter_model.safetensors", "README.md"}
+    return names | {"config.json", "generation_config.json", "model.safetensors"}
+
+def remove(path):  # a file, a folder, or a link (never what it points to)
+    (shutil.rmtree if os.path.isdir(path) and not os.path.islink(path) else os.remove)(path)
 
 def require(ok, message, error=ValueError):  # every bad input fails at start or as soon as it shows, named
     if not ok:
@@ -800,19 +874,18 @@ def call_reward(f, kwargs):  # f's rewards as a float32 column, NaN for None; el
         values = f(**kwargs)
     except Exception as e:
         raise RuntimeError(f"reward function {name!r} raised {type(e).__name__}: {e}") from e
-    require(hasattr(values, "__len__") and not isinstance(values, (abc.Mapping, str)), f"reward function "
-            f"{name!r} returned a {type(values).__name__}, not a list of numbers (or None)", TypeError)
+    listlike = isinstance(values, (list, tuple)) or getattr(values, "ndim", None) == 1  # numpy, torch: 1-d
+    require(listlike, f"reward function {name!r} returned a {type(values).__name__} ({values!r:.60}), not a "
+            "list of numbers (or None), one per completion", TypeError)
     require(len(values) == len(completions), f"reward function {name!r} returned {len(values)} values for "
             f"{len(completions)} completions; it must return one number (or None) per completion")
     for i, v in enumerate(values):
         number = isinstance(v, numbers.Real) and type(v) is not bool or torch.is_tensor(v) and v.numel() == 1
         require(v is None or number, f"reward function {name!r} returned {v!r} ({type(v).__name__}) for "
                 f"completion {i}; rewards must be numbers (or None)", TypeError)
-    column = torch.tensor([math.nan if v is None else float(v) for v in values], dtype=torch.float32)
-    i = next((i for i, v in enumerate(values) if v is not None and not column[i].isfinite()), 0)  # 1e39, NaN
-    require(values[i] is None or column[i].isfinite(), f"reward function {name!r} returned {values[i]} for "
-            f"completion {i} ({completions[i]!r:.80}); rewards must be finite in float32 (None: n/a)")
-    return column
+        require(v is None or bool(abs(v) <= torch.finfo(torch.float32).max), f"reward function {name!r} "
+                f"returned {v} for completion {i} ({completions[i]!r:.80}); rewards must be finite in float32")
+    return torch.tensor([math.nan if v is None else float(v) for v in values], dtype=torch.float32)
 
 def check_scored(rewards_per_func, completions):
     i = next(iter(rewards_per_func.isnan().all(1).nonzero()[:, 0].tolist()), None)  # the first unscored
@@ -832,7 +905,9 @@ def load_policy(model, processing_class, peft_config, args, device):  # checked 
         model = from_disk_or_hub(AutoModelForCausalLM, str(model), **kwargs)
     if peft_config is not None:  # peft, an optional dependency, is imported here only
         require(importlib.util.find_spec("peft"), "peft_config needs peft: pip install peft", ImportError)
-        model = importlib.import_module("peft").get_peft_model(model, peft_config)  # adapters in float32
+        with torch.random.fork_rng(devices=[]):  # the adapter's initial weights follow args.seed
+            torch.manual_seed(args.seed)
+            model = importlib.import_module("peft").get_peft_model(model, peft_config)  # in float32
     model = model.to(device).train()
     peft, names = sys.modules.get("peft"), list(getattr(model, "peft_config", {}))  # (imported by its maker)
     layers = peft and any(isinstance(m, peft.tuners.tuners_utils.BaseTunerLayer) for m in model.modules())
@@ -887,12 +962,22 @@ def from_disk_or_hub(cls, name, **kwargs):  # hub unreachable: the local cache o
     require(local or not (os.path.isabs(name) or name[:1] == "."), f"could not load {name!r}: no such folder")
     offline = not local and not hub_reachable()  # (peft's adapter lookup ignores local_files_only: below)
     kwargs |= {"adapter_kwargs": {"local_files_only": offline}} if cls is AutoModelForCausalLM else {}
+    kwargs.setdefault("trust_remote_code", False)  # a folder's own Python runs only if asked for by name
     try:
         return cls.from_pretrained(name, local_files_only=offline, **kwargs)
     except OSError as e:
         where = ("the hub is unreachable and it is not in the local cache" if offline else "the folder "
                  "holds no model of this kind" if local else "it is no local folder, and the hub has none")
-        raise ValueError(f"could not load {name!r}: {where} ({str(e).splitlines()[0]})") from e
+        raise ValueError(f"could not load {name!r}: {where} ({str(e).splitlines()[0]})") from None
+    except ValueError as e:
+        require("trust_remote_code" not in str(e), f"{name!r} asks to run its own code (its config's "
+                "auto_map), which runs only if asked for: if you trust it, pass GRPOConfig(model_init_kwargs="
+                "{'trust_remote_code': True}) (and a processing_class)")
+        raise
+    except TypeError as e:  # a keyword that neither from_pretrained nor the model takes (a misspelling?)
+        require(cls is not AutoModelForCausalLM, f"could not load {name!r}: GRPOConfig.model_init_kwargs "
+                f"holds a keyword that from_pretrained and the model do not take ({e})")
+        raise
 
 def hub_reachable(timeout=3.0):  # one HEAD request with huggingface_hub's client: its proxy, certificates
     with suppress(Exception):  # no answer in time: unreachable (any HTTP status, 404 too, is an answer)
@@ -900,3 +985,14 @@ def hub_reachable(timeout=3.0):  # one HEAD request with huggingface_hub's clien
             huggingface_hub.get_session().head(huggingface_hub.constants.ENDPOINT, timeout=timeout)
             return True
     return False
+
+def check_versions(least={"torch": "2.4", "transformers": "5.24"}):  # older ones fail deep inside, unnamed
+    import transformers
+    from packaging.version import Version
+    for module in (torch, transformers):
+        found = module.__version__.split("+")[0]  # "2.13.0+cpu"
+        need = least[module.__name__]
+        require(Version(found) >= Version(need), f"grpo_multistep needs {module.__name__} >= {need} (the "
+                f"requirements' range), found {found}: pip install '{module.__name__}>={need}'", ImportError)
+
+check_versions()

@@ -2070,3 +2070,185 @@ def test_16_bit_trainable_weights_are_refused_before_adamw_would_round_their_upd
     trainer.model.to(torch.bfloat16)
     with pytest.raises(ValueError, match="trainable weights are torch.bfloat16"):
         trainer.train()
+
+
+# ---------------------------------------------------------------------------------------------------
+# Reliability round 5: no folder's code runs, no user's file is overwritten, nothing is silently wrong
+# ---------------------------------------------------------------------------------------------------
+def asks_to_run_code(folder, marker):
+    """Make `folder`'s config.json ask for a custom model class in a Python file that, if run, leaves
+    `marker` behind (transformers' auto_map)."""
+    config = json.loads((folder / "config.json").read_text()) if (folder / "config.json").exists() else {}
+    config.update(model_type="custom-llama", auto_map={"AutoConfig": "custom.Config",
+                                                         "AutoModelForCausalLM": "custom.Model"})
+    (folder / "config.json").write_text(json.dumps(config))
+    (folder / "custom.py").write_text(f"open({str(marker)!r}, 'w').write('ran')\n")
+
+
+def test_a_model_folder_that_asks_to_run_its_code_is_refused_by_name_and_runs_nothing(tmp_path):
+    folder, marker = tmp_path / "model", tmp_path / "ran"
+    make_model(make_tokenizer()).save_pretrained(folder)
+    asks_to_run_code(folder, marker)
+    with pytest.raises(ValueError, match="asks to run its own code .*'trust_remote_code': True"):
+        make_trainer(tmp_path, model=str(folder))
+    assert not marker.exists()
+
+
+def test_resuming_a_checkpoint_whose_config_asks_to_run_code_runs_nothing(tmp_path):
+    """A checkpoint's weights are read from its safetensors file alone: its config.json is never loaded."""
+    make_trainer(tmp_path, max_steps=2, save_steps=1).train()
+    marker = tmp_path / "ran"
+    asks_to_run_code(tmp_path / "out" / "checkpoint-1", marker)
+    make_trainer(tmp_path, max_steps=2, save_steps=1).train(resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-1"))
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("name,adapter", [("config.json", False), ("tokenizer.json", False), ("README.md", True)])
+def test_the_final_save_never_overwrites_a_users_file_unless_overwrite_is_asked(tmp_path, name, adapter):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / name).write_text("the user's")
+    with pytest.raises(ValueError, match=f"holds {name}, which no run here wrote"):
+        make_trainer(tmp_path, peft_config=lora() if adapter else None).train()
+    assert (out / name).read_text() == "the user's" and sorted(os.listdir(out)) == [name]
+    make_trainer(tmp_path, peft_config=lora() if adapter else None, overwrite_output_dir=True).train()
+    assert (out / name).read_text() != "the user's"  # asked for
+
+
+def fails_at_call(n):
+    """short_is_good, except that its n-th call raises: a run that fails inside a step."""
+    calls = []
+
+    def reward(completion_ids, **kwargs):
+        calls.append(1)
+        if len(calls) == n:
+            raise RuntimeError("the reward server went away")
+        return short_is_good(completion_ids)
+    reward.__name__ = "short_is_good"  # its metric's name, as in the run it is compared with
+    return reward
+
+
+def test_the_metrics_of_steps_since_the_last_row_survive_a_checkpoint(tmp_path):
+    """logging_steps = 3, a failure in step 5: checkpoint-4 holds step 4's metrics, which no row has yet.
+    The resumed run's rows equal an uninterrupted run's: every step's metrics in exactly one row."""
+    config = dict(max_steps=6, logging_steps=3, save_steps=100, gradient_accumulation_steps=1, steps_per_generation=2)
+    make_trainer(tmp_path / "a", **config).train()
+    with pytest.raises(RuntimeError, match="reward server"):
+        make_trainer(tmp_path / "b", reward_funcs=fails_at_call(3), **config).train()  # generation 3: step 5
+    assert gm.list_checkpoints(str(tmp_path / "b" / "out"))[-1].endswith("checkpoint-4")
+    make_trainer(tmp_path / "b", **config).train(resume_from_checkpoint=True)
+    rows, uninterrupted = metrics_of(tmp_path / "b" / "out"), metrics_of(tmp_path / "a" / "out")
+    assert [r["step"] for r in rows] == [3, 6] and rows == uninterrupted
+
+
+def test_a_checkpoint_with_a_weight_missing_is_refused_by_name(tmp_path):
+    make_trainer(tmp_path, max_steps=2, save_steps=1).train()
+    file = tmp_path / "out" / "checkpoint-1" / "model.safetensors"
+    weights = safetensors.torch.load_file(file)
+    del weights["model.layers.0.mlp.up_proj.weight"]
+    safetensors.torch.save_file(weights, file)
+    with pytest.raises(ValueError, match=r"another model's .*'model.layers.0.mlp.up_proj.weight', None, \(64, 32\)"):
+        make_trainer(tmp_path, max_steps=2).train(resume_from_checkpoint=str(file.parent))
+
+
+def edit_trainer_state(path, edit):
+    state = torch.load(path, weights_only=True)
+    edit(state)
+    torch.save(state, path)
+
+
+@pytest.mark.parametrize("edit,match", [
+    (lambda s: s["optimizer"]["state"].pop(0), "has the moments of 20 of 21 weights"),
+    (lambda s: s["optimizer"]["param_groups"][0]["params"].pop(), r"is for weights \[20\] \(per group\)"),
+    (lambda s: s.pop("ranks"), r"lacks \['ranks'\]"),
+    (lambda s: s["ranks"][0]["rng"].update(torch=torch.zeros(7, dtype=torch.uint8)), "random number states are garbled"),
+])
+def test_a_tampered_trainer_state_is_refused_before_anything_loads(tmp_path, edit, match):
+    make_trainer(tmp_path, max_steps=2, save_steps=1).train()
+    checkpoint = tmp_path / "out" / "checkpoint-1"
+    edit_trainer_state(checkpoint / "trainer_state.pt", edit)
+    trainer = make_trainer(tmp_path, max_steps=2)
+    before = [p.detach().clone() for p in trainer.model.parameters()]
+    with pytest.raises(ValueError, match=match):
+        trainer.train(resume_from_checkpoint=str(checkpoint))
+    assert all(torch.equal(a, b) for a, b in zip(before, trainer.model.parameters()))  # nothing loaded
+
+
+def test_steps_per_generation_none_and_its_value_spelled_out_resume_each_other(tmp_path):
+    make_trainer(tmp_path, max_steps=2, save_steps=1, gradient_accumulation_steps=1).train()
+    make_trainer(tmp_path, max_steps=3, gradient_accumulation_steps=1, steps_per_generation=1).train(
+        resume_from_checkpoint=True)
+    assert [r["step"] for r in metrics_of(tmp_path / "out")] == [1, 2, 3]
+
+
+def test_a_checkpoint_folder_is_named_as_it_is_on_disk(tmp_path):
+    (tmp_path / "checkpoint-003").mkdir()
+    assert gm.list_checkpoints(str(tmp_path)) == [str(tmp_path / "checkpoint-003")]
+
+
+@pytest.mark.parametrize("listed", ["null", "5", "[[1]]"])
+def test_a_final_model_list_that_is_no_list_of_names_lists_nothing(tmp_path, listed):
+    (tmp_path / "final_model_files.json").write_text(listed)
+    assert gm.final_model_files(str(tmp_path)) == []
+
+
+def test_overwrite_deletes_a_symlinked_checkpoint_as_a_link_never_what_it_points_to(tmp_path):
+    make_trainer(tmp_path, max_steps=2, save_steps=1).train()
+    elsewhere = tmp_path / "elsewhere"
+    shutil.move(str(tmp_path / "out" / "checkpoint-1"), elsewhere)
+    os.symlink(elsewhere, tmp_path / "out" / "checkpoint-1")
+    with pytest.warns(UserWarning, match="overwrite_output_dir deletes checkpoint-1"):
+        make_trainer(tmp_path, max_steps=1, overwrite_output_dir=True).train()
+    assert (elsewhere / "trainer_state.pt").exists() and not os.path.islink(tmp_path / "out" / "checkpoint-1")
+
+
+def test_the_lora_initialisation_follows_the_seed(tmp_path):
+    adapter = lambda t: [p.detach().clone() for n, p in t.model.named_parameters() if "lora_A" in n]
+    a, b, c = (adapter(make_trainer(tmp_path, peft_config=lora(), seed=s)) for s in (3, 3, 4))
+    assert all(torch.equal(x, y) for x, y in zip(a, b)) and not any(torch.equal(x, z) for x, z in zip(a, c))
+
+
+def test_a_changed_lora_config_is_refused_on_resume(tmp_path):
+    make_trainer(tmp_path, peft_config=lora(), max_steps=2, save_steps=1).train()
+    with pytest.raises(ValueError, match="adapter was made with another LoRA config"):
+        make_trainer(tmp_path, peft_config=lora(lora_alpha=32), max_steps=2).train(resume_from_checkpoint=True)
+
+
+def test_a_lora_adapter_checkpoint_resumed_into_a_full_model_run_says_so(tmp_path):
+    make_trainer(tmp_path, peft_config=lora(), max_steps=2, save_steps=1).train()
+    with pytest.raises(ValueError, match="holds adapter_model.safetensors: it was written by a run that trained a LoRA"):
+        make_trainer(tmp_path, max_steps=2).train(resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-1"))
+
+
+def zero_dim_numpy(completions, **kw):
+    return numpy.array(1.0)
+
+
+def zero_dim_tensor(completions, **kw):
+    return torch.tensor(1.0)
+
+
+def huge_int(completions, **kw):
+    return [10**400] * len(completions)
+
+
+@pytest.mark.parametrize("func,error,match", [(zero_dim_numpy, TypeError, "'zero_dim_numpy' returned a ndarray"),
+                                              (zero_dim_tensor, TypeError, "'zero_dim_tensor' returned a Tensor"),
+                                              (huge_int, ValueError, "'huge_int' returned 1000000.*finite in float32")])
+def test_rewards_of_no_length_or_past_float32_name_the_function(tmp_path, func, error, match):
+    with pytest.raises(error, match=match):
+        make_trainer(tmp_path, reward_funcs=func).train()
+
+
+def test_a_model_init_kwarg_that_nothing_takes_is_named(tmp_path):
+    folder = tmp_path / "model"
+    make_model(make_tokenizer()).save_pretrained(folder)
+    with pytest.raises(ValueError, match="model_init_kwargs holds a keyword"):
+        make_trainer(tmp_path, model=str(folder), model_init_kwargs={"dtpye": "bfloat16"})
+
+
+def test_an_older_transformers_is_refused_at_import_with_both_versions():
+    code = "import transformers; transformers.__version__ = '5.10.0'; import grpo_multistep"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            cwd=os.path.dirname(os.path.abspath(__file__)))
+    assert result.returncode != 0 and "needs transformers >= 5.24 (the requirements' range), found 5.10.0" in result.stderr
