@@ -230,6 +230,34 @@ def test_ctrl_c_keeps_what_was_logged_names_the_checkpoint_and_exits_130(tiny, t
     assert [r["step"] for r in metrics(tmp_path / "run")] == [1, 2, 3]  # continued from step 1, same file
 
 
+def test_the_same_command_again_after_ctrl_c_refuses_to_start_afresh_over_the_unfinished_run(tiny, tmp_path,
+                                                                                              monkeypatch):
+    """Shell history runs the interrupted command again, without --resume: its checkpoints stay, and the
+    error says how to continue (--resume) or start afresh (--overwrite_output_dir True, by name)."""
+    interrupted_in_run(monkeypatch, mu=1, generation_batch=2)
+    assert train_tldr.main(args(tiny, tmp_path / "run", "--max_steps", "3")) == 130
+    monkeypatch.undo()
+    message = error_of(args(tiny, tmp_path / "run", "--max_steps", "3"))
+    assert "holds an unfinished run (checkpoint-1): continue it with --resume" in message
+    assert os.path.isdir(tmp_path / "run" / "checkpoint-1")
+    assert train_tldr.main(args(tiny, tmp_path / "run", "--max_steps", "3", "--overwrite_output_dir", "True")) == 0
+    assert [r["step"] for r in metrics(tmp_path / "run")] == [1, 2, 3]
+
+
+def test_resuming_a_sweep_that_ended_says_so(tiny, tmp_path, capsys):
+    assert train_tldr.main(args(tiny, tmp_path / "s", "--sweep", "1", "2")) == 0
+    assert train_tldr.main(args(tiny, tmp_path / "s", "--sweep", "1", "2", "--max_steps", "4", "--resume")) == 0
+    assert capsys.readouterr().out.count("ended already (its final model is saved): --resume leaves it") == 2
+
+
+def test_a_dataset_folder_whose_files_have_other_columns_names_them(tiny, tmp_path):
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "a.jsonl").write_text('{"prompt": "hello"}\n')
+    (tmp_path / "data" / "b.jsonl").write_text('{"prompt": "hi", "label": 1}\n')
+    message = error_of(args(tiny, tmp_path / "run", "--dataset", str(tmp_path / "data")))
+    assert "different columns: a.jsonl: prompt; b.jsonl: label, prompt" in message, message
+
+
 def test_sigterm_after_a_step_names_the_checkpoint_and_the_command_that_resumes_it(tiny, tmp_path,
                                                                                    monkeypatch, capsys):
     """SIGTERM (a preemption) in step 2: the core checkpoints step 1 and exits 143; the line it leaves on the
@@ -275,6 +303,7 @@ def test_preset_values_are_defaults_that_flags_override():
     (["--sweep", "1", "1"], "--sweep values must differ"),  # one run counted twice as two
     (["--seeds", "2"], "unrecognized arguments: --seeds"),  # the lab's (experiments/lab.py)
     (["--max_prompt_length", "none?"], "invalid int value"),
+    (["--sweep", "1", "2", "--num_iterations", "4"], "--num_iterations is what --sweep sets"),  # else ignored
 ])
 def test_bad_flags_are_usage_errors(argv, message, capsys):
     with pytest.raises(SystemExit) as e:

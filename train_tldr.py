@@ -37,13 +37,13 @@ PRESETS = {
         model="Qwen/Qwen2.5-0.5B", dataset="trl-lib/tldr", target_chars=100,  # its comment: 20; its code: 100
         output_dir="Qwen2.5-0.5B-GRPO-2899-μ={mu}", num_generations=8, per_device_train_batch_size=4,
         gradient_accumulation_steps=4, max_prompt_length=64, max_completion_length=64, max_steps=200,
-        logging_steps=5, log_completions=True, overwrite_output_dir=True,  # running it again starts afresh
+        logging_steps=5, log_completions=True, overwrite_output_dir=True,  # again: afresh, if it ended
         beta=0.04, temperature=0.9, learning_rate=1e-6, loss_type="bnpo"),  # TRL's defaults of the PR's day
     "cpu": dict(  # 32 tokens are 100-150 characters, most used at first: a 40-character target leaves room
         model=OFFLINE_MODEL, dataset=EMBEDDED, target_chars=40,
         output_dir="SmolLM2-135M-GRPO-cpu-μ={mu}", num_generations=8, per_device_train_batch_size=8,
         gradient_accumulation_steps=2, max_prompt_length=128, max_completion_length=32, max_steps=12,
-        logging_steps=1, log_completions=True, overwrite_output_dir=True,  # running it again starts afresh
+        logging_steps=1, log_completions=True, overwrite_output_dir=True,  # again: afresh, if it ended
         beta=0.0,  # no reference model: one forward pass less per generation batch, 0.5 GB less memory
         temperature=1.0, learning_rate=2e-5)}  # a small model, 12 steps: a large step (a probe: -66 -> -32)
 
@@ -92,7 +92,10 @@ def parse_args(argv, parser=None, preset=None, checks=lambda opts: []):
                            ("--sweep", len(set(mus)) == len(mus), "values must differ"),
                            ("--resume", opts.resume in (None, True) or len(mus) == 1,
                             "CHECKPOINT names one run's checkpoint; a sweep resumes with --resume alone"),
-                           ("--target-chars", opts.target_chars >= 0, "must be >= 0"), *checks(opts)]:
+                           ("--target-chars", opts.target_chars >= 0, "must be >= 0"),
+                           ("--num_iterations", not (opts.sweep and "--num_iterations" in argv),
+                            "is what --sweep sets, one run per value: give the values to --sweep"),
+                           *checks(opts)]:
         if not ok:
             parser.error(f"{flag} {rule}")
     return config, opts
@@ -166,6 +169,10 @@ def load_prompts(name):
             fail(f"dataset {name!r} is not (or holds no) .json, .jsonl or .parquet file")
         for f in (f for f in files if os.path.getsize(f) == 0):  # the readers' error: a bare StopIteration
             fail(f"dataset file {f!r} is empty")
+        columns = {f: first_row_keys(f) for f in files if f.lower().endswith(".jsonl")}
+        if len(set(columns.values()) - {None}) > 1:  # the reader's error names neither files nor columns
+            fail(f"dataset {name!r}: its files have different columns: " + "; ".join(
+                f"{os.path.basename(f)}: {', '.join(c)}" for f, c in columns.items() if c is not None))
     try:
         reader = ("parquet" if files[0].lower().endswith(".parquet") else "json") if files else name
         dataset = load_dataset(reader, data_files=files or None, split="train")
@@ -174,6 +181,15 @@ def load_prompts(name):
     if "prompt" not in dataset.column_names:
         fail(f"dataset {name!r} has no 'prompt' column (its columns: {', '.join(dataset.column_names)})")
     return dataset
+
+def first_row_keys(path):  # the sorted keys of a JSON-lines file's first row (None: not a JSON object)
+    with open(path) as f:
+        line = next((line for line in f if line.strip()), "")
+    try:
+        row = json.loads(line)
+    except ValueError:
+        return None
+    return tuple(sorted(row)) if isinstance(row, dict) else None
 
 def bad_json_line(files):  # "file, line n, ...": the first line of a JSON-lines file that is not JSON
     for path in (f for f in files if f.lower().endswith(".jsonl")):
@@ -246,10 +262,17 @@ def run_all(config, configs, folder, opts, trainer_class=Trainer, report=None):
         model = resolve_model(opts.model)
         dataset = Dataset.from_dict({"prompt": embedded_prompts()[0]}) if opts.dataset == EMBEDDED else \
             load_prompts(opts.dataset)  # the held-out posts never train: experiments score on them
-        for run in configs:  # a run that ended left its final model and, in a sweep, no checkpoint
-            kept = gm.list_checkpoints(run.output_dir)
-            ended = not kept and os.path.isdir(run.output_dir) and gm.final_model_files(run.output_dir)
-            if not (opts.resume and ended):  # one cut short goes on from its newest checkpoint
+        for run in configs:  # a run that ended left its final model; one cut short, checkpoints only
+            kept, final = gm.list_checkpoints(run.output_dir), bool(gm.final_model_files(run.output_dir))
+            ended = final and not kept  # in a sweep: its checkpoints are deleted, it cannot go further
+            overwrite = any(a.startswith("--overwrite_output_dir") for a in opts.argv)  # asked by name
+            if kept and not final and not opts.resume and not overwrite:
+                fail(f"{run.output_dir} holds an unfinished run ({os.path.basename(kept[-1])}): continue it "
+                     "with --resume, or start afresh with --overwrite_output_dir True (deletes it)")
+            if opts.resume and ended:
+                print(f"{run.output_dir} ended already (its final model is saved): --resume leaves it as it "
+                      "is; to run it again with these flags, start afresh with --overwrite_output_dir True")
+            else:  # one cut short goes on from its newest checkpoint
                 resume = opts.resume if len(configs) == 1 or kept else None
                 train(model, dataset, run, opts, resume, trainer_class)
             for checkpoint in gm.list_checkpoints(run.output_dir) if len(configs) > 1 else []:
