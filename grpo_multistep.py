@@ -637,7 +637,7 @@ def save_checkpoint(trainer, final=False):  # rank 0, from the last finished ste
             pathlib.Path(out, "final_model_files.json").write_text(json.dumps(names))
     except Exception as e:  # a full disk? torch's message names neither that nor the path
         shutil.rmtree(folder + ".tmp", ignore_errors=True)  # the unfinished folder: it frees its space
-        raise OSError(f"could not write {out!r} ({shutil.disk_usage(out).free >> 20} MiB free): {e!r}") from e
+        raise OSError(f"could not write {out!r} ({shutil.disk_usage(out).free >> 20} MiB free): {e!r}") from None
     finally:
         trainer.saving -= 1
     if trainer.signal and not trainer.saving:
@@ -912,8 +912,8 @@ def load_policy(model, processing_class, peft_config, args, device):  # checked 
     peft, names = sys.modules.get("peft"), list(getattr(model, "peft_config", {}))  # (imported by its maker)
     layers = peft and any(isinstance(m, peft.tuners.tuners_utils.BaseTunerLayer) for m in model.modules())
     require(not layers or is_peft(model) and names == ["default"], f"{type(model).__name__}'s adapters "
-            f"{names} are outside a PeftModel (peft.inject_adapter_in_model?) or beside its 'default': they "
-            "could not be checkpointed or saved. Pass the plain model and peft_config, or get_peft_model()")
+            f"{names} are outside a PeftModel (peft.inject_adapter_in_model?) or not one named 'default', the "
+            "only one checkpointed and saved. Pass the plain model and peft_config, or get_peft_model()")
     check_trainable(model)
     for m in model.modules():  # no dropout: the same weights must give the same log-probs (π_old = π_θ)
         if isinstance(m, torch.nn.Dropout):
@@ -928,7 +928,7 @@ def load_policy(model, processing_class, peft_config, args, device):  # checked 
     require(tokenizer.eos_token_id is not None, "the tokenizer has no eos_token: completions could never end")
     if tokenizer.pad_token_id is None:  # padding is masked out, so any id will do; EOS is the usual choice
         tokenizer.pad_token = tokenizer.eos_token
-    vocab = model.get_input_embeddings().num_embeddings
+    vocab = model.get_input_embeddings().weight.shape[0]  # (a LoRA-wrapped embedding has no num_embeddings)
     for name in ("eos_token_id", "pad_token_id"):
         require(0 <= getattr(tokenizer, name) < vocab, f"the tokenizer's {name}={getattr(tokenizer, name)} "
                 f"is outside the model's vocabulary of {vocab} tokens: they do not belong together")

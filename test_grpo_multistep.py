@@ -2252,3 +2252,17 @@ def test_an_older_transformers_is_refused_at_import_with_both_versions():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                             cwd=os.path.dirname(os.path.abspath(__file__)))
     assert result.returncode != 0 and "needs transformers >= 5.24 (the requirements' range), found 5.10.0" in result.stderr
+
+
+def test_lora_on_the_input_embeddings_trains(tmp_path):
+    """peft wraps embed_tokens in a layer without num_embeddings: the vocabulary is read from its weight."""
+    trainer = make_trainer(tmp_path, peft_config=lora(target_modules=["embed_tokens", "q_proj"]), max_steps=1)
+    trainer.train()
+    assert [r["step"] for r in metrics_of(tmp_path / "out")] == [1]
+
+
+def test_a_peft_model_whose_only_adapter_is_not_named_default_is_refused_truly(tmp_path):
+    peft = pytest.importorskip("peft")
+    model = peft.get_peft_model(make_model(make_tokenizer()), lora(), adapter_name="mine")
+    with pytest.raises(ValueError, match=r"adapters \['mine'\] are outside a PeftModel .*or not one named 'default'"):
+        make_trainer(tmp_path, model=model)

@@ -89,7 +89,8 @@ def fmt(stat, digits=1):
 def report(rows, folder):
     tuning, confirm = fb.scores(rows, "tune"), fb.scores(rows, "confirm")
     chosen = fb.choose_rates(tuning, fb.SEEDS["tune"])
-    start = next(r["eval_reward"] for r in rows if r["step"] == 0)
+    start = next((r["eval_reward"] for r in rows if r["step"] == 0), None)
+    fb.gm.require(start is not None, "the rows hold no run yet: run experiments/fixed_budget.py tune first")
     lines = [f"Setting: {SETTING}. Untrained: {start:.1f}.", "", "## Tuning (seeds 42-47): mean held-out "
              "reward per rate; the chosen rate in bold", "", "| arm | budget | " + " | ".join(
                  f"{lr:g}" for lr in sorted({lr for v in tuning.values() for lr in v})) + " | inside |",

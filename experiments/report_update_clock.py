@@ -21,8 +21,13 @@ SETTING = ("SmolLM2-135M-Instruct, TRL PR #2899's length reward −|40 − len(c
 
 
 def read(path):
+    if not os.path.isfile(path):
+        raise SystemExit(f"error: no rows file {path!r}: run experiments/update_clock.py first")
     with open(path) as f:
-        return [json.loads(line) for line in f if line.endswith("\n")]
+        rows = [json.loads(line) for line in f if line.endswith("\n")]
+    if not any(r["step"] == 0 for r in rows) or not last_attempts(rows):
+        raise SystemExit(f"error: {path!r} holds no finished run (and the untrained score) yet")
+    return rows
 
 
 def last_attempts(rows):

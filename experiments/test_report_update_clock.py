@@ -92,3 +92,24 @@ def test_a_rate_with_fewer_seeds_than_the_grid_is_shown_but_does_not_compete():
             ("μ=1", 5e-6): seeds(30)}  # best by far, but one seed: a pilot
     best = r.best_rates(data)["μ=1"]
     assert best["lr"] == 1e-5 and not best["inside"] and 5e-6 not in best["final"]
+
+
+def test_a_missing_or_empty_rows_file_is_named(tmp_path):
+    for content in (None, ""):
+        path = tmp_path / "rows.jsonl"
+        if content is not None:
+            path.write_text(content)
+        with pytest.raises(SystemExit, match="no rows file|holds no finished run"):
+            r.read(str(path))
+
+
+@pytest.mark.parametrize("argv, message", [(["--seeds", "0"], "--seeds must be >= 1"),
+                                           (["--workers", "0"], "--workers must be >= 1"),
+                                           (["--eval-every", "0"], "--eval-every must be >= 1"),
+                                           (["--max-steps", "0"], "--max-steps must be >= 1"),
+                                           (["--worker", "3", "--workers", "2"], "--worker must lie in")])
+def test_update_clock_refuses_flags_that_would_run_nothing_or_divide_by_zero(argv, message, capsys):
+    import update_clock
+    with pytest.raises(SystemExit) as e:
+        update_clock.main(argv)
+    assert e.value.code == 2 and message in capsys.readouterr().err

@@ -90,6 +90,12 @@ def main(argv=None):
     p.add_argument("--worker", type=int, default=0)
     p.add_argument("--workers", type=int, default=1)
     opts = p.parse_args(argv)
+    for flag, ok, rule in [("--seeds", opts.seeds >= 1, "must be >= 1"), ("--max-steps", opts.max_steps >= 1,
+                            "must be >= 1"), ("--eval-every", opts.eval_every >= 1, "must be >= 1"),
+                           ("--workers", opts.workers >= 1, "must be >= 1"),
+                           ("--worker", 0 <= opts.worker < opts.workers, "must lie in [0, --workers)")]:
+        if not ok:
+            p.error(f"{flag} {rule}")
     os.makedirs(os.path.dirname(opts.rows), exist_ok=True)
     model = train_tldr.resolve_model(opts.model)
     prompts = train_tldr.load_prompts(train_tldr.EMBEDDED)["prompt"][:]
