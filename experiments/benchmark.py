@@ -36,9 +36,9 @@ BENCHMARK = dict(per_device_train_batch_size=8, gradient_accumulation_steps=4, m
                  max_completion_length=64, log_completions=False)
 S = 4  # the S arm: steps_per_generation = S × gradient_accumulation_steps
 CONFIGURATIONS = [(1, 1, 0.0), (1, 1, 0.04), (4, 1, 0.0), (4, 1, 0.04), (1, S, 0.0)]  # (μ, S, β)
-REFERENCE = ("TRL 1.16 on the 2-core machine, float32 (with EOS): median 44 s/step (generate ≈14, forward "
-             "≈9, backward ≈19), peak RSS 5.7 GiB (6.1 GiB with β=0.04).\nTargets: ≤35 s/step at μ=1, peak "
-             "RSS ≤2.9 GiB at β=0, no generate or logps time in the μ=4 reuse steps, other ≤3%.")
+REFERENCE = ("TRL 1.16, float32, at this benchmark's default shape, side by side on this project's 2-core "
+             "machine on 2026-11-30 (docs/performance.md#against-trl-116, docs/trl_reference.py): "
+             "76.8 s/step and 5.53 GiB peak RSS at μ=1, β=0. Compare only figures of one day's run.")
 SUMMARY = os.path.join(HERE, "..", "docs", "update-clock", "summary.json")  # the update-clock experiment's
 
 

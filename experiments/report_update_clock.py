@@ -16,7 +16,7 @@ from collections import defaultdict
 import numpy as np
 
 BOOTSTRAP, CI = 10_000, (2.5, 97.5)
-SETTING = ("SmolLM2-135M-Instruct, TRL PR #2899's length reward −|40 − len(completion)| on 40 TL;DR-style "
+SETTING = ("SmolLM2-135M-Instruct, the length reward −|40 − len(completion)| on 40 TL;DR-style "
            "posts, held-out reward on 8 others; 8 completions (1 prompt) per optimizer step, 16 steps")
 
 

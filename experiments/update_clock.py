@@ -1,5 +1,5 @@
 """
-What μ buys per update: TRL PR #2899's length reward on SmolLM2-135M-Instruct, every run bounded by
+What μ buys per update: the length reward −|40 − len| (TRL PR #2899's uses 100) on SmolLM2-135M-Instruct, every run bounded by
 optimizer steps (never by seconds) and scored on the same held-out prompts at the same steps, so that
 the curves do not depend on this machine's speed or on what else runs on it.
 
