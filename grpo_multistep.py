@@ -199,7 +199,8 @@ def cached_logps(trainer, model, batch):
 # ---- 5. The clipped objective, for one micro-batch ---------------------------------------------------
 def grpo_loss(logps, old_logps, ref_logps, advantages, mask, args, num_seqs, num_tokens):
     """The GRPO objective, negated. logps, old_logps, ref_logps, mask: (b, C); advantages: (b,). num_seqs
-    and num_tokens count the whole optimizer step (all micro-batches, ranks): micro-batch losses add up."""
+    and num_tokens count one optimizer step (all its micro-batches, all ranks; with S > 1 num_tokens is the
+    generation batch's mean per step), so the micro-batches' losses sum to the step's loss."""
     A = advantages[:, None]                                                # (b, 1): one A per sequence
     eps_high = args.epsilon if args.epsilon_high is None else args.epsilon_high  # None: ε, as in TRL
     coef_1 = torch.exp(logps - old_logps)                                  # ratio ρ = π_θ / π_old
@@ -637,7 +638,8 @@ def save_checkpoint(trainer, final=False):  # rank 0, from the last finished ste
             pathlib.Path(out, "final_model_files.json").write_text(json.dumps(names))
     except Exception as e:  # a full disk? torch's message names neither that nor the path
         shutil.rmtree(folder + ".tmp", ignore_errors=True)  # the unfinished folder: it frees its space
-        raise OSError(f"could not write {out!r} ({shutil.disk_usage(out).free >> 20} MiB free): {e!r}") from None
+        free = shutil.disk_usage(out).free >> 20
+        raise OSError(f"could not write {out!r} ({free} MiB free): {e!r}") from None
     finally:
         trainer.saving -= 1
     if trainer.signal and not trainer.saving:
@@ -675,7 +677,7 @@ def load_checkpoint(trainer, path):
     tied = {k for k in state_dict if k not in weights and state_dict[k].data_ptr() in present}
     theirs, ours = ({k: tuple(v.shape) for k, v in d.items() if k not in tied} for d in (weights, state_dict))
     wrong = [(k, theirs.get(k), ours.get(k)) for k in sorted(theirs | ours) if theirs.get(k) != ours.get(k)]
-    require(not wrong, f"{file} is another model's (name, its shape, the model's; None: missing): {wrong[:1]}")
+    require(not wrong, f"{file} is another model's (name, its shape, the model's; None: none): {wrong[:1]}")
     check_trainer_state(trainer, state, os.path.join(path, "trainer_state.pt"))  # before anything loads
     saved = {**state["config"], "world_size": state["world_size"]}
     current = dict(asdict(args), world_size=trainer.world_size, train_dataset=trainer.dataset._fingerprint,
@@ -696,10 +698,8 @@ def load_checkpoint(trainer, path):
         warnings.warn(f"resuming {path!r} with another config; the new values apply: {', '.join(changed)}")
     if state["step"] >= args.max_steps:  # (the final model is saved again)
         warnings.warn(f"checkpoint {path!r} at step {state['step']} >= max_steps: nothing is left to train")
-    if peft:
-        load(trainer.model, weights)  # only now: a load that fails has copied the tensors that fit
-    else:
-        load(trainer.model, weights, strict=False)  # strict but for the tied weights, checked above
+    strict = {} if peft else {"strict": False}  # every weight but the tied ones, as checked above
+    load(trainer.model, weights, **strict)  # only now: a load that fails has copied the tensors that fit
     trainer.optimizer.load_state_dict(state["optimizer"])
     if trainer.rank == 0:  # once the checkpoint has loaded
         set_aside_after(trainer, state["step"])
@@ -883,8 +883,9 @@ def call_reward(f, kwargs):  # f's rewards as a float32 column, NaN for None; el
         number = isinstance(v, numbers.Real) and type(v) is not bool or torch.is_tensor(v) and v.numel() == 1
         require(v is None or number, f"reward function {name!r} returned {v!r} ({type(v).__name__}) for "
                 f"completion {i}; rewards must be numbers (or None)", TypeError)
-        require(v is None or bool(abs(v) <= torch.finfo(torch.float32).max), f"reward function {name!r} "
-                f"returned {v} for completion {i} ({completions[i]!r:.80}); rewards must be finite in float32")
+        finite = v is None or bool(abs(v) <= torch.finfo(torch.float32).max)  # not 1e39, inf or NaN
+        require(finite, f"reward function {name!r} returned {v} for completion {i} ({completions[i]!r:.50}); "
+                "rewards must be finite in float32")
     return torch.tensor([math.nan if v is None else float(v) for v in values], dtype=torch.float32)
 
 def check_scored(rewards_per_func, completions):
@@ -912,8 +913,8 @@ def load_policy(model, processing_class, peft_config, args, device):  # checked 
     peft, names = sys.modules.get("peft"), list(getattr(model, "peft_config", {}))  # (imported by its maker)
     layers = peft and any(isinstance(m, peft.tuners.tuners_utils.BaseTunerLayer) for m in model.modules())
     require(not layers or is_peft(model) and names == ["default"], f"{type(model).__name__}'s adapters "
-            f"{names} are outside a PeftModel (peft.inject_adapter_in_model?) or not one named 'default', the "
-            "only one checkpointed and saved. Pass the plain model and peft_config, or get_peft_model()")
+            f"{names} are outside a PeftModel (peft.inject_adapter_in_model?) or not one named 'default' "
+            "(the one checkpointed and saved). Pass the plain model and peft_config, or get_peft_model()")
     check_trainable(model)
     for m in model.modules():  # no dropout: the same weights must give the same log-probs (π_old = π_θ)
         if isinstance(m, torch.nn.Dropout):
