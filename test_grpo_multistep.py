@@ -2266,3 +2266,29 @@ def test_a_peft_model_whose_only_adapter_is_not_named_default_is_refused_truly(t
     model = peft.get_peft_model(make_model(make_tokenizer()), lora(), adapter_name="mine")
     with pytest.raises(ValueError, match=r"adapters \['mine'\] are outside a PeftModel .*or not one named 'default'"):
         make_trainer(tmp_path, model=model)
+
+
+ENDS_WITHOUT_DESTROYING = """
+import atexit, os, sys
+from pathlib import Path
+import torch.distributed as dist
+# Registered first, so it runs last (atexit is last in, first out): after grpo_multistep's own exit handler.
+atexit.register(lambda: Path({tmp!r}, "rank" + sys.argv[1]).write_text(str(dist.is_initialized())))
+sys.path[:0] = [{here!r}]
+os.environ.update(RANK=sys.argv[1], LOCAL_RANK=sys.argv[1], WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                  MASTER_PORT="{port}")
+import test_grpo_multistep as t
+t.make_trainer(Path({tmp!r}), max_steps=1).train()  # a TRL-style script: it never destroys the group
+"""
+
+
+def test_the_process_group_the_trainer_made_is_destroyed_at_exit(tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    script = ENDS_WITHOUT_DESTROYING.format(here=os.path.dirname(os.path.abspath(__file__)), port=port,
+                                            tmp=str(tmp_path))
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    ranks = [subprocess.Popen([sys.executable, "-c", script, str(rank)], env=env) for rank in (0, 1)]
+    assert [p.wait(timeout=300) for p in ranks] == [0, 0]
+    assert [(tmp_path / f"rank{r}").read_text() for r in (0, 1)] == ["False", "False"]
