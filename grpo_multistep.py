@@ -373,7 +373,8 @@ class TokenLogps(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, targets, temperature, weight, bias):            # hidden (n, H), targets (n,)
         logits = F.linear(hidden, weight, bias).float().div_(temperature)                 # (n, V): z
-        ctx.save_for_backward(hidden, targets, weight, bias, lse := logits.logsumexp(-1))  # lse: (n,)
+        lse = logits.logsumexp(-1)                                                          # (n,)
+        ctx.save_for_backward(hidden, targets, weight, bias, lse)
         ctx.temperature, ctx.bf16 = temperature, torch.is_autocast_enabled(hidden.device.type)
         return logits.gather(-1, targets[:, None]).squeeze(-1) - lse                        # (n,)
 
@@ -405,7 +406,8 @@ PHASES = ("generate", "logps", "forward", "backward", "optimizer")  # timed (on 
 def lap(trainer, phase):  # end the running phase, start `phase` (None: between phases, not reported)
     if trainer.device.type == "cuda":
         torch.cuda.synchronize(trainer.device)
-    trainer.seconds[trainer.phase] += (now := time.perf_counter()) - trainer.phase_start
+    now = time.perf_counter()
+    trainer.seconds[trainer.phase] += now - trainer.phase_start
     trainer.phase, trainer.phase_start = phase, now
 
 def autocast(trainer):  # bf16: every model call under bfloat16 autocast; the loss and AdamW stay float32
@@ -987,12 +989,11 @@ def hub_reachable(timeout=3.0):  # one HEAD request with huggingface_hub's clien
             return True
     return False
 
-def check_versions(least={"torch": "2.4", "transformers": "5.24"}):  # older ones fail deep inside, unnamed
+def check_versions():  # the requirements' lower bounds: older versions fail deep inside, unnamed
     import transformers
     from packaging.version import Version
-    for module in (torch, transformers):
+    for module, need in ((torch, "2.4"), (transformers, "5.24")):
         found = module.__version__.split("+")[0]  # "2.13.0+cpu"
-        need = least[module.__name__]
         require(Version(found) >= Version(need), f"grpo_multistep needs {module.__name__} >= {need} (the "
                 f"requirements' range), found {found}: pip install '{module.__name__}>={need}'", ImportError)
 

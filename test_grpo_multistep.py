@@ -1399,15 +1399,19 @@ def test_inside_a_mu_cycle_a_resume_with_what_made_the_cached_batch_changed_is_r
                 resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-1"))
 
 
-def test_a_failure_on_one_rank_ends_every_rank_and_keeps_the_finished_steps(tmp_path):
-    """Under torchrun, an error on one rank ends every rank (none waits in a collective) with a checkpoint."""
-    with socket.socket() as s:  # a free port for the gloo rendezvous
+def two_ranks(template, tmp_path):
+    """Two processes running `template` as ranks 0 and 1 of one gloo process group (a free port)."""
+    with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    script = ONE_RANK_FAILS.format(here=os.path.dirname(os.path.abspath(__file__)), port=port,
-                                   tmp=str(tmp_path))
+    script = template.format(here=os.path.dirname(os.path.abspath(__file__)), port=port, tmp=str(tmp_path))
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    ranks = [subprocess.Popen([sys.executable, "-c", script, str(rank)], env=env) for rank in (0, 1)]
+    return [subprocess.Popen([sys.executable, "-c", script, str(rank)], env=env) for rank in (0, 1)]
+
+
+def test_a_failure_on_one_rank_ends_every_rank_and_keeps_the_finished_steps(tmp_path):
+    """Under torchrun, an error on one rank ends every rank (none waits in a collective) with a checkpoint."""
+    ranks = two_ranks(ONE_RANK_FAILS, tmp_path)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and None in [p.poll() for p in ranks]:
         time.sleep(0.5)
@@ -2283,12 +2287,6 @@ t.make_trainer(Path({tmp!r}), max_steps=1).train()  # a TRL-style script: it nev
 
 
 def test_the_process_group_the_trainer_made_is_destroyed_at_exit(tmp_path):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    script = ENDS_WITHOUT_DESTROYING.format(here=os.path.dirname(os.path.abspath(__file__)), port=port,
-                                            tmp=str(tmp_path))
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    ranks = [subprocess.Popen([sys.executable, "-c", script, str(rank)], env=env) for rank in (0, 1)]
+    ranks = two_ranks(ENDS_WITHOUT_DESTROYING, tmp_path)
     assert [p.wait(timeout=300) for p in ranks] == [0, 0]
     assert [(tmp_path / f"rank{r}").read_text() for r in (0, 1)] == ["False", "False"]
