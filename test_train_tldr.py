@@ -244,6 +244,16 @@ def test_the_same_command_again_after_ctrl_c_refuses_to_start_afresh_over_the_un
     assert [r["step"] for r in metrics(tmp_path / "run")] == [1, 2, 3]
 
 
+def test_lora_trains_an_adapter_only_and_resumes(tiny, tmp_path):
+    pytest.importorskip("peft")
+    assert train_tldr.main(args(tiny, tmp_path / "run", "--lora", "4", "--beta", "0.04")) == 0
+    assert "adapter_model.safetensors" in os.listdir(tmp_path / "run")
+    assert "model.safetensors" not in os.listdir(tmp_path / "run")
+    assert train_tldr.main(args(tiny, tmp_path / "run", "--lora", "4", "--beta", "0.04", "--max_steps", "3",
+                                "--resume")) == 0
+    assert [r["step"] for r in metrics(tmp_path / "run")] == [1, 2, 3]
+
+
 def test_resuming_a_sweep_that_ended_says_so(tiny, tmp_path, capsys):
     assert train_tldr.main(args(tiny, tmp_path / "s", "--sweep", "1", "2")) == 0
     assert train_tldr.main(args(tiny, tmp_path / "s", "--sweep", "1", "2", "--max_steps", "4", "--resume")) == 0
