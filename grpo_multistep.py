@@ -484,10 +484,10 @@ def end_of_step(trainer, metrics):  # log every logging_steps, checkpoint every 
     for k, v in metrics.items():
         trainer.window[k].append(v)
     if trainer.step % trainer.args.logging_steps == 0 or trainer.step == trainer.args.max_steps:
+        trainer.saving += 1  # a signal waits for log() (a tracker's upload): a step saved is a step logged
         row = {"step": trainer.step, **{k: sum(v) / len(v) for k, v in trainer.window.items()},
                "elapsed": trainer.snapshot[trainer.rank]["elapsed"]}
         trainer.window.clear()  # handed to log(): a checkpoint from here on holds the steps after this row
-        trainer.saving += 1  # a signal waits for log() (a tracker's upload): a step saved is a step logged
         trainer.log(row)
         trainer.saving -= 1  # (if log() fails, train() ends: no need to undo it)
     if trainer.signal:  # it came during the update or log(), which ended first
@@ -621,11 +621,12 @@ def save_checkpoint(trainer, final=False):  # rank 0, from the last finished ste
     try:
         if trainer.rank == 0 and trainer.saved_step != step:  # (else written already, or resumed from)
             shutil.rmtree(folder + ".tmp", ignore_errors=True)
-            trainer.model.save_pretrained(folder + ".tmp")
+            native = {} if is_peft(trainer.model) else {"save_original_format": False}  # the names it loads
+            trainer.model.save_pretrained(folder + ".tmp", **native)
             torch.save({"step": step, "optimizer": trainer.optimizer.state_dict(), "ranks": trainer.snapshot,
                         "config": {**asdict(args), "train_dataset": trainer.dataset._fingerprint,
                                    "adapter": adapter_config(trainer.model)},
-                        "window": dict(trainer.window),  # the metrics of the steps since the last row
+                        "window": dict(trainer.window), "moments": len(trainer.optimizer.state),
                         "lr_step": trainer.scheduler.last_epoch, "world_size": trainer.world_size,
                         "nonfinite_in_a_row": trainer.nonfinite_in_a_row}, f"{folder}.tmp/trainer_state.pt")
             os.replace(folder + ".tmp", folder)  # atomic: a checkpoint folder is complete or absent
@@ -660,10 +661,9 @@ def load_checkpoint(trainer, path):
     peft = is_peft(trainer.model)
     names = ("adapter_model.safetensors", "model.safetensors")
     wanted, other = (os.path.join(path, n) for n in (names if peft else names[::-1]))
+    theirs, ours = ("the whole model", "an adapter") if peft else ("a LoRA adapter", "the whole model")
     require(os.path.exists(wanted) or not os.path.exists(other), f"checkpoint {path!r} holds "
-            f"{os.path.basename(other)}: it was written by a run that trained "
-            f"{'the whole model' if peft else 'a LoRA adapter'}; this one trains "
-            f"{'an adapter' if peft else 'the whole model'}: resume it with the same kind of model")
+            f"{os.path.basename(other)}: a run that trained {theirs} wrote it; this one trains {ours}")
     try:  # tensors and plain Python values only (no pickled pytorch_model.bin), no config: no code runs
         state = torch.load(file, map_location=trainer.device, weights_only=True)
         file = wanted
@@ -724,9 +724,9 @@ def check_trainer_state(trainer, state, file):  # what load_checkpoint reads: wh
     saved = [len(group["params"]) for group in state["optimizer"].get("param_groups", [])]
     require(saved == [len(g["params"]) for g in trainer.optimizer.param_groups], f"{file}'s optimizer state "
             f"is for weights {saved} (per group), this model trains {len(params)}")
-    moments = state["optimizer"].get("state", {})  # AdamW's: none before the first step, then every weight's
-    require(not moments or set(moments) == set(range(len(params))), f"{file}'s optimizer state has the "
-            f"moments of {len(moments)} of {len(params)} weights: a resume would restart the others'")
+    moments = state["optimizer"].get("state", {})  # AdamW's, of every weight that has had a gradient
+    require(len(moments) == state.get("moments", len(moments)) and set(moments) <= set(range(len(params))),
+            f"{file}'s optimizer state has the moments of {len(moments)} of the {state.get('moments')} saved")
     ranks = state["ranks"]
     rng = ranks[trainer.rank].get("rng", {}) if isinstance(ranks, list) and trainer.rank < len(ranks) else {}
     same = torch.is_tensor(rng.get("torch")) and rng["torch"].numel() == torch.get_rng_state().numel()
@@ -736,7 +736,7 @@ def adapter_config(model):  # a PeftModel's adapter config, what its weights mea
     if not is_peft(model):
         return None
     config = model.peft_config["default"].to_dict()
-    for k in ("base_model_name_or_path", "revision", "inference_mode"):  # where it came from, not what it is
+    for k in ("base_model_name_or_path", "revision", "inference_mode", "peft_version"):  # not its function
         config.pop(k, None)
     return json.dumps(config, sort_keys=True, default=lambda v: sorted(v) if isinstance(v, set) else str(v))
 
@@ -885,7 +885,7 @@ def call_reward(f, kwargs):  # f's rewards as a float32 column, NaN for None; el
         number = isinstance(v, numbers.Real) and type(v) is not bool or torch.is_tensor(v) and v.numel() == 1
         require(v is None or number, f"reward function {name!r} returned {v!r} ({type(v).__name__}) for "
                 f"completion {i}; rewards must be numbers (or None)", TypeError)
-        finite = v is None or bool(abs(v) <= torch.finfo(torch.float32).max)  # not 1e39, inf or NaN
+        finite = v is None or abs(v.item() if torch.is_tensor(v) else v) <= torch.finfo(torch.float32).max
         require(finite, f"reward function {name!r} returned {v} for completion {i} ({completions[i]!r:.50}); "
                 "rewards must be finite in float32")
     return torch.tensor([math.nan if v is None else float(v) for v in values], dtype=torch.float32)
@@ -973,9 +973,9 @@ def from_disk_or_hub(cls, name, **kwargs):  # hub unreachable: the local cache o
                  "holds no model of this kind" if local else "it is no local folder, and the hub has none")
         raise ValueError(f"could not load {name!r}: {where} ({str(e).splitlines()[0]})") from None
     except ValueError as e:
-        require("trust_remote_code" not in str(e), f"{name!r} asks to run its own code (its config's "
-                "auto_map), which runs only if asked for: if you trust it, pass GRPOConfig(model_init_kwargs="
-                "{'trust_remote_code': True}) (and a processing_class)")
+        require("trust_remote_code" not in str(e) or kwargs["trust_remote_code"], f"{name!r} asks to run its "
+                "own code (its config's auto_map), which runs only if asked for: if you trust it, pass "
+                "GRPOConfig(model_init_kwargs={'trust_remote_code': True}) (and a processing_class)")
         raise
     except TypeError as e:  # a keyword that neither from_pretrained nor the model takes (a misspelling?)
         require(cls is not AutoModelForCausalLM, f"could not load {name!r}: GRPOConfig.model_init_kwargs "

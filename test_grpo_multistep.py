@@ -2162,7 +2162,7 @@ def edit_trainer_state(path, edit):
 
 
 @pytest.mark.parametrize("edit,match", [
-    (lambda s: s["optimizer"]["state"].pop(0), "has the moments of 20 of 21 weights"),
+    (lambda s: s["optimizer"]["state"].pop(0), "has the moments of 20 of the 21 saved"),
     (lambda s: s["optimizer"]["param_groups"][0]["params"].pop(), r"is for weights \[20\] \(per group\)"),
     (lambda s: s.pop("ranks"), r"lacks \['ranks'\]"),
     (lambda s: s["ranks"][0]["rng"].update(torch=torch.zeros(7, dtype=torch.uint8)), "random number states are garbled"),
@@ -2220,7 +2220,7 @@ def test_a_changed_lora_config_is_refused_on_resume(tmp_path):
 
 def test_a_lora_adapter_checkpoint_resumed_into_a_full_model_run_says_so(tmp_path):
     make_trainer(tmp_path, peft_config=lora(), max_steps=2, save_steps=1).train()
-    with pytest.raises(ValueError, match="holds adapter_model.safetensors: it was written by a run that trained a LoRA"):
+    with pytest.raises(ValueError, match="holds adapter_model.safetensors: a run that trained a LoRA adapter wrote it"):
         make_trainer(tmp_path, max_steps=2).train(resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-1"))
 
 
@@ -2290,3 +2290,12 @@ def test_the_process_group_the_trainer_made_is_destroyed_at_exit(tmp_path):
     ranks = two_ranks(ENDS_WITHOUT_DESTROYING, tmp_path)
     assert [p.wait(timeout=300) for p in ranks] == [0, 0]
     assert [(tmp_path / f"rank{r}").read_text() for r in (0, 1)] == ["False", "False"]
+
+
+def bool_tensors(completion_ids, **kw):  # "short or not", as 0-d bool tensors: numbers 0 and 1
+    return [torch.tensor(len(ids) < 6) for ids in completion_ids]
+
+
+def test_a_reward_of_bool_tensors_counts_as_0_and_1(tmp_path):
+    make_trainer(tmp_path, reward_funcs=bool_tensors, max_steps=1).train()
+    assert [r["step"] for r in metrics_of(tmp_path / "out")] == [1]

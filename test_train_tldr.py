@@ -254,10 +254,21 @@ def test_lora_trains_an_adapter_only_and_resumes(tiny, tmp_path):
     assert [r["step"] for r in metrics(tmp_path / "run")] == [1, 2, 3]
 
 
+def test_a_finished_run_taken_further_and_stopped_is_unfinished_again(tiny, tmp_path, monkeypatch):
+    assert train_tldr.main(args(tiny, tmp_path / "run")) == 0  # ended at step 2
+    interrupted_in_run(monkeypatch, mu=1, generation_batch=2)  # step 4 of 5
+    assert train_tldr.main(args(tiny, tmp_path / "run", "--max_steps", "5", "--save_steps", "1", "--resume")) == 130
+    monkeypatch.undo()
+    assert "holds an unfinished run (checkpoint-3)" in error_of(args(tiny, tmp_path / "run", "--max_steps", "5"))
+
+
 def test_resuming_a_sweep_that_ended_says_so(tiny, tmp_path, capsys):
     assert train_tldr.main(args(tiny, tmp_path / "s", "--sweep", "1", "2")) == 0
     assert train_tldr.main(args(tiny, tmp_path / "s", "--sweep", "1", "2", "--max_steps", "4", "--resume")) == 0
     assert capsys.readouterr().out.count("ended already (its final model is saved): --resume leaves it") == 2
+    argv = args(tiny, tmp_path / "s", "--sweep", "1", "2", "--max_steps", "3", "--resume", "--overwrite_output_dir", "True")
+    assert train_tldr.main(argv) == 0  # as the message says: afresh, with the new flags
+    assert [r["step"] for r in metrics(tmp_path / "s" / "μ=2")] == [1, 2, 3]
 
 
 def test_a_dataset_folder_whose_files_have_other_columns_names_them(tiny, tmp_path):

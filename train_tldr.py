@@ -225,9 +225,10 @@ class Trainer(GRPOTrainer):
             print(f"  [reward {reward:+.3f}] {prompt[-60:]!r} -> {completion[:100]!r}")
 
 def train(model, dataset, config, opts, resume=None, trainer_class=Trainer):  # stopped, it says how to go on
+    peft_config = lora_config(opts.lora)
     try:
         trainer = trainer_class(model, length_reward(opts.target_chars), args=config, train_dataset=dataset,
-                                peft_config=lora_config(opts.lora))
+                                peft_config=peft_config)
         trainer.train(resume_from_checkpoint=resume)
     except ValueError as e:  # the core's checks of the model, the prompts, the batch shape, a --resume folder
         fail(str(e))
@@ -258,6 +259,10 @@ def run_points(config):
     return [{"mu": config.num_iterations, "lr": config.learning_rate, "seed": config.seed, **r, "generated":
              "reward" in r, "generated_completions": batch * math.ceil(r["step"] / cycle)} for r in records]
 
+def unfinished(folder, kept):  # checkpoints and no final model, or checkpoints newer than the final model
+    final = os.path.join(folder, "final_model_files.json")  # (written last, after the final checkpoint)
+    return not gm.final_model_files(folder) or os.path.getmtime(kept[-1]) > os.path.getmtime(final)
+
 def run_dir(template, label, several):  # "{mu}" in output_dir names the run (the presets': "...-μ={mu}");
     template = os.path.join(template, "μ={mu}") if several and "{mu}" not in template else template
     return template.replace("{mu}", str(label))  # without it, several runs get subfolders: none overwrites
@@ -274,16 +279,18 @@ def run_all(config, configs, folder, opts, trainer_class=Trainer, report=None):
         model = resolve_model(opts.model)
         dataset = Dataset.from_dict({"prompt": embedded_prompts()[0]}) if opts.dataset == EMBEDDED else \
             load_prompts(opts.dataset)  # the held-out posts never train: experiments score on them
-        for run in configs:  # a run that ended left its final model; one cut short, checkpoints only
-            kept, final = gm.list_checkpoints(run.output_dir), bool(gm.final_model_files(run.output_dir))
-            ended = final and not kept  # in a sweep: its checkpoints are deleted, it cannot go further
-            overwrite = any(a.startswith("--overwrite_output_dir") for a in opts.argv)  # asked by name
-            if kept and not final and not opts.resume and not overwrite:
+        overwrite = any(a.startswith("--overwrite_output_dir") for a in opts.argv)  # asked for by name
+        for run in configs:  # first: no run's unfinished work is deleted unless asked (a later one either)
+            kept, out = gm.list_checkpoints(run.output_dir), os.path.realpath(run.output_dir) + os.sep
+            own = opts.resume is True or bool(opts.resume) and os.path.realpath(opts.resume).startswith(out)
+            if kept and unfinished(run.output_dir, kept) and not overwrite and not own:
                 fail(f"{run.output_dir} holds an unfinished run ({os.path.basename(kept[-1])}): continue it "
                      "with --resume, or start afresh with --overwrite_output_dir True (deletes it)")
-            if opts.resume and ended:
+        for run in configs:  # a run that ended left its final model; one cut short, checkpoints only
+            kept, final = gm.list_checkpoints(run.output_dir), bool(gm.final_model_files(run.output_dir))
+            if opts.resume and final and not kept and not overwrite:  # a sweep's: it cannot go further
                 print(f"{run.output_dir} ended already (its final model is saved): --resume leaves it as it "
-                      "is; to run it again with these flags, start afresh with --overwrite_output_dir True")
+                      "is; to run it again with these flags, add --overwrite_output_dir True")
             else:  # one cut short goes on from its newest checkpoint
                 resume = opts.resume if len(configs) == 1 or kept else None
                 train(model, dataset, run, opts, resume, trainer_class)
@@ -294,9 +301,7 @@ def run_all(config, configs, folder, opts, trainer_class=Trainer, report=None):
         code = 130
     if RANK0:  # under torchrun, rank 0 reports
         (report or chart)(config, configs, folder, opts)
-    if torch.distributed.is_initialized():  # torchrun: no thread of the process group left to abort the exit
-        torch.distributed.destroy_process_group()
-    return code
+    return code  # (under torchrun the core ends the process group at exit)
 
 # ---- The chart: the reward against optimizer steps and completions generated, a line per μ ------------
 def config_changes(config):  # the fields whose values are not GRPOConfig's defaults
