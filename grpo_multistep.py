@@ -11,11 +11,12 @@ so the loss carries PPO's clipped importance ratio against π_old's log-probs, c
     coef_1 = π_θ(o_t) / π_old(o_t) = exp(logp - old_logp),    coef_2 = clamp(coef_1, 1 - ε, 1 + ε_high)
     loss_t = -min(coef_1 · A, coef_2 · A) + β · KL_t(π_θ ‖ π_ref)
 
-A generation batch may also hold S > 1 optimizer steps' worth of completions (TRL's steps_per_generation);
-each of its S mini-batches is then used μ times, so that μ·S optimizer steps share one generation. With
-μ·S = 1, π_θ *is* π_old: old_logp = logp.detach(), no extra forward pass, and the gradient is exactly that
-of the single-step GRPO loss -exp(logp - logp.detach()) · A. With μ·S > 1 the batch's first step still has
-ρ = 1; every later one (a reuse with μ > 1, a stale mini-batch with S > 1) is off-policy and clipped.
+A generation batch may also hold S > 1 optimizer steps' worth of completions (TRL's
+steps_per_generation); each of its S mini-batches is then used μ times, so that μ·S optimizer steps share
+one generation. With μ·S = 1, π_θ *is* π_old: old_logp = logp.detach(), no extra forward pass, and the
+gradient is exactly that of the single-step GRPO loss -exp(logp - logp.detach()) · A. With μ·S > 1 the
+batch's first step still has ρ = 1; every later one (a reuse with μ > 1, a stale mini-batch with S > 1)
+is off-policy and clipped.
 
 Part I is the algorithm, in the order of Algorithm 1; Part II, the engineering it calls in one line each.
 Left out on purpose: vLLM and `model.generate` (a plain loop samples exactly what the log-probs describe),
@@ -216,11 +217,10 @@ def grpo_loss(logps, old_logps, ref_logps, advantages, mask, args, num_seqs, num
         per_token_loss = per_token_loss + args.beta * per_token_kl
     if args.loss_type == "grpo":    # paper: mean over each sequence's tokens, then over sequences
         loss = ((per_token_loss * mask).sum(1) / mask.sum(1).clamp(min=1)).sum() / num_seqs
-    elif args.loss_type == "bnpo":  # TRL PR #2899's: each micro-batch's token mean, weighted by its share
-        # len(mask) / num_seqs of the step's sequences, so that the step's micro-batch losses add up to 1 mean
+    elif args.loss_type == "bnpo":  # TRL PR #2899's: each micro-batch's token mean × its share of the step
         loss = (per_token_loss * mask).sum() / mask.sum().clamp(min=1) * len(mask) / num_seqs
-    elif args.loss_type == "dapo":  # DAPO: sum over tokens ÷ the step's tokens (with S > 1: their mean per
-        loss = (per_token_loss * mask).sum() / num_tokens  # step over the generation batch, as TRL's)
+    elif args.loss_type == "dapo":  # DAPO: ÷ the step's tokens (S > 1: the mean per step, as in TRL)
+        loss = (per_token_loss * mask).sum() / num_tokens
     else:                           # Dr. GRPO: constant normalizer, no length bias at all
         loss = (per_token_loss * mask).sum() / (num_seqs * args.max_completion_length)
     with torch.no_grad():  # metrics: clipped tokens (only where the clip removes the gradient), KL
