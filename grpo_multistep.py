@@ -11,12 +11,11 @@ so the loss carries PPO's clipped importance ratio against π_old's log-probs, c
     coef_1 = π_θ(o_t) / π_old(o_t) = exp(logp - old_logp),    coef_2 = clamp(coef_1, 1 - ε, 1 + ε_high)
     loss_t = -min(coef_1 · A, coef_2 · A) + β · KL_t(π_θ ‖ π_ref)
 
-A generation batch may also hold S > 1 optimizer steps' worth of completions (TRL's
-steps_per_generation); each of its S mini-batches is then used μ times, so that μ·S optimizer steps share
-one generation. With μ·S = 1, π_θ *is* π_old: old_logp = logp.detach(), no extra forward pass, and the
-gradient is exactly that of the single-step GRPO loss -exp(logp - logp.detach()) · A. With μ·S > 1 the
-batch's first step still has ρ = 1; every later one (a reuse with μ > 1, a stale mini-batch with S > 1)
-is off-policy and clipped.
+A generation batch may also hold S > 1 optimizer steps' worth of completions (TRL's steps_per_generation);
+each of its S mini-batches is then used μ times, so that μ·S optimizer steps share one generation. With
+μ·S = 1, π_θ *is* π_old: old_logp = logp.detach(), no extra forward pass, and the gradient is exactly that
+of the single-step GRPO loss -exp(logp - logp.detach()) · A. With μ·S > 1 the batch's first step still has
+ρ = 1; every later one (a reuse with μ > 1, a stale mini-batch with S > 1) is off-policy and clipped.
 
 Part I is the algorithm, in the order of Algorithm 1; Part II, the engineering it calls in one line each.
 Left out on purpose: vLLM and `model.generate` (a plain loop samples exactly what the log-probs describe),
@@ -63,6 +62,8 @@ class GRPOConfig:
     beta: float = arg(0.0, "KL coefficient; 0 = no reference model at all.")
     use_bias_correction_kl: bool = arg(False, "Weigh the KL term by the ratio ρ (TRL 1.16's default: True).")
     loss_type: str = arg("grpo", "'grpo' (sequence mean), 'bnpo' (TRL PR #2899's), 'dapo' or 'dr_grpo'.")
+    importance_sampling_level: str = arg("token", "ρ per 'token', or per 'sequence' (GSPO).")
+    mask_truncated_completions: bool = arg(False, "No loss on completions cut at max_completion_length.")
     scale_rewards: str = arg("group", "'group': divide advantages by the group's reward std; 'none': don't.")
     reward_weights: list[float] | None = arg(None, "One weight per reward function (None = all 1).")
     model_init_kwargs: dict | str | None = arg(None, "from_pretrained's kwargs (JSON too); default float32.")
@@ -143,8 +144,11 @@ def score_completions(reward_funcs, prompts, completions, completion_ids, column
     """r_i per reward function, each called TRL-style on its own copy of f(prompts=, completions=,
     completion_ids=, **columns): one number per completion, or None ("does not apply"). (N, F), NaN = None."""
     kwargs = dict(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns)
-    rewards_per_func = torch.stack([call_reward(f, copy.deepcopy(kwargs)) for f in reward_funcs], 1)
-    return check_scored(rewards_per_func, completions)                                   # (N, F)
+    rewards_per_func = torch.stack([call_reward(f, copy.deepcopy(kwargs)) for f in reward_funcs], 1)  # (N, F)
+    i = next(iter(rewards_per_func.isnan().all(1).nonzero()[:, 0].tolist()), None)  # scored by none of them?
+    require(i is None, f"every reward function returned None for completion {i} ("
+            f"{completions[i or 0]!r:.80}); at least one must score each completion")
+    return rewards_per_func
 
 def group_advantages(rewards, num_generations, scale_rewards="group"):
     """A_i = (r_i - mean_group(r)) / (std_group(r) + 1e-4), std unbiased (G - 1) as in TRL; scale_rewards=
@@ -181,7 +185,7 @@ def micro_batches(batch, size):
     accumulation), each cut to its longest prompt and completion: padding costs compute, changes nothing."""
     for i in range(0, len(batch["completion_mask"]), size):
         mb = rows(batch, i, i + size)
-        c, p = int(mb["completion_mask"].sum(1).max()), int(mb["prompt_mask"].sum(1).max())
+        c, p = max(1, int(mb["completion_mask"].sum(1).max())), int(mb["prompt_mask"].sum(1).max())
         for k, v in mb.items():
             if v.dim() == 2:  # prompts are left-padded: keep their last p columns; completions their first c
                 mb[k] = v[:, v.size(1) - p:] if k.startswith("prompt") else v[:, :c]
@@ -204,7 +208,10 @@ def grpo_loss(logps, old_logps, ref_logps, advantages, mask, args, num_seqs, num
     generation batch's mean per step), so the micro-batches' losses sum to the step's loss."""
     A = advantages[:, None]                                                # (b, 1): one A per sequence
     eps_high = args.epsilon if args.epsilon_high is None else args.epsilon_high  # None: ε, as in TRL
-    coef_1 = torch.exp(logps - old_logps)                                  # ratio ρ = π_θ / π_old
+    log_ratio = logps - old_logps                                          # log ρ_t, ρ_t = π_θ / π_old
+    if args.importance_sampling_level == "sequence":  # GSPO: one ρ per completion, exp(mean_t log ρ_t)
+        log_ratio = (log_ratio * mask).sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1)  # (b, 1)
+    coef_1 = torch.exp(log_ratio)                                          # ratio ρ
     coef_2 = torch.clamp(coef_1, 1 - args.epsilon, 1 + eps_high)           # clip(ρ, 1 - ε, 1 + ε_high)
     per_token_loss = -torch.min(coef_1 * A, coef_2 * A)                    # -min(ρA, clip(ρ)A)
     # Where ρ has left [1 - ε, 1 + ε_high] in the direction A pushes it, min() picks the constant
@@ -292,13 +299,15 @@ class GRPOTrainer:
         weights = torch.tensor(args.reward_weights or [1.0] * len(self.reward_funcs))        # (F,)
         rewards = (rewards_per_func * weights).nansum(1)                     # (N,): r_i = Σ_f w_f r_if
         advantages = group_advantages(rewards, G, args.scale_rewards).to(self.device)      # (N,)
+        truncated = ~torch.isin(completion_ids, self.eos_token_ids).any(1)  # (N,): no EOS, cut at C tokens
+        loss_mask = mask * ~truncated[:, None] if args.mask_truncated_completions else mask   # (N, C)
         # The loss's normalizers count one optimizer step: its completions (num_seqs) and their tokens
         # (num_tokens), over every micro-batch and every rank. A generation batch holds S steps' worth, so
         # each is its total over the ranks divided by S; num_tokens is thus the mean per step (TRL's dapo).
         num_seqs = all_reduce(self, torch.tensor(float(len(mask)), device=self.device)) / S
-        num_tokens = all_reduce(self, mask.sum().float()) / S
+        num_tokens = all_reduce(self, loss_mask.sum().float()) / S
         batch = {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "completion_ids": completion_ids,
-                 "completion_mask": mask, "advantages": advantages,
+                 "completion_mask": loss_mask, "advantages": advantages,
                  "num_seqs": num_seqs, "num_tokens": num_tokens}
         # 4. Cached log-probs, once per generation batch: π_old only where a step is not the batch's first
         # (with μ·S = 1 the training pass's own log-probs, detached, are π_old's), π_ref only when β > 0.
@@ -310,7 +319,7 @@ class GRPOTrainer:
                 batch["ref_logps"] = cached_logps(self, self.ref_model, batch)  # (N, C)
         lap(self, None)
         self.samples = list(zip(repeat(prompts), texts, rewards.tolist()))
-        return batch, batch_metrics(self, rewards_per_func, rewards, mask)
+        return batch, batch_metrics(self, rewards_per_func, rewards, mask, truncated.float())
 
     def optimizer_step(self, batch):
         """An optimizer step on a generation batch's mini-batch: forward, clipped loss, backward, AdamW."""
@@ -448,9 +457,11 @@ def on_every_rank(trainer, fn, *args):  # user code (reward functions): an error
         raise error or RuntimeError("a reward function failed on another rank (see its log)")
     return result
 
-def batch_metrics(trainer, rewards_per_func, rewards, mask):  # means over ranks (one all-reduce), as below
-    m = {"reward": rewards.mean(), "reward_std": rewards.view(-1, trainer.args.num_generations).std(1).mean(),
-         "completion_length": mask.sum(1).float().mean()}
+def batch_metrics(trainer, rewards_per_func, rewards, mask, truncated):  # means over ranks (one all-reduce)
+    grouped = rewards.view(-1, trainer.args.num_generations)                                # (B, G)
+    flat = (grouped.max(1).values == grouped.min(1).values).float()  # (B,): groups with no signal (section 3)
+    m = {"reward": rewards.mean(), "reward_std": grouped.std(1).mean(), "frac_reward_zero_std": flat.mean(),
+         "completion_length": mask.sum(1).float().mean(), "completions/clipped_ratio": truncated.mean()}
     names = [getattr(f, "__name__", type(f).__name__) for f in trainer.reward_funcs]
     for i, name in enumerate(names):  # one metric per function, numbered where names repeat (two lambdas)
         number = f"_{names[:i].count(name) + 1}" if names.count(name) > 1 else ""
@@ -460,7 +471,7 @@ def batch_metrics(trainer, rewards_per_func, rewards, mask):  # means over ranks
 
 def step_metrics(trainer, sums, grad_norm):  # sums over micro-batches and ranks
     s = dict(zip(sums, all_reduce(trainer, torch.stack([v.float() for v in sums.values()])).tolist()))
-    n, finite = s["tokens"], bool(grad_norm.isfinite())
+    n, finite = max(s["tokens"], 1.0), bool(grad_norm.isfinite())  # (0: every completion masked)
     trainer.nonfinite_in_a_row = 0 if finite else trainer.nonfinite_in_a_row + 1
     if not finite:
         warnings.warn(f"step {trainer.step + 1}: non-finite loss or gradient norm ({float(grad_norm)}); step "
@@ -596,9 +607,7 @@ def checkpoint_on_failure(trainer, resume_from_checkpoint):  # start_run, then g
             raise stop_for(signum)
     with ExitStack() as trainer.on_exit:  # at the end, even of a failed start: handlers back, lock freed
         start_run(trainer, resume_from_checkpoint)
-        if not (main := threading.current_thread() is threading.main_thread()):  # only it can set handlers
-            warnings.warn("train() runs outside the main thread, where signals cannot be caught: Ctrl-C or "
-                          "SIGTERM would end it without a checkpoint of its finished steps", stacklevel=3)
+        main = threading.current_thread() is threading.main_thread()  # only it can set signal handlers
         names = "SIGINT SIGTERM SIGHUP SIGUSR1 SIGQUIT".split() if main else []  # USR1: SLURM's --signal
         for s in [getattr(signal, name) for name in names if hasattr(signal, name)]:  # restored at the end
             trainer.on_exit.callback(signal.signal, s, signal.signal(s, on_signal))
@@ -759,13 +768,11 @@ def set_aside_after(trainer, step):  # what output_dir's run logged after `step`
 
 def final_model_files(out):  # the entries of output_dir that final_model_files.json lists, and itself
     file = pathlib.Path(out, "final_model_files.json")
-    try:
+    with suppress(FileNotFoundError, ValueError):  # none, or not JSON: no files
         names = json.loads(file.read_text())
-    except (FileNotFoundError, ValueError):
-        return []
-    if not (isinstance(names, list) and all(isinstance(n, str) for n in names)):  # a broken list: none
-        return []
-    return [os.path.join(out, n) for n in sorted({*names, file.name} & set(os.listdir(out)))]  # in out only
+        if isinstance(names, list) and all(isinstance(n, str) for n in names):  # else a broken list: none
+            return [os.path.join(out, n) for n in sorted({*names, file.name} & set(os.listdir(out)))]
+    return []
 
 def list_checkpoints(output_dir):  # the complete ones, oldest first (not checkpoint-<step>.tmp), as named
     names = os.listdir(output_dir) if os.path.isdir(output_dir) else []
@@ -804,6 +811,8 @@ def check_config(c):  # (scale_rewards=True/False: TRL's older form)
         require(typed and (kind is not float or value is None or math.isfinite(value)),
                 f"GRPOConfig.{name}={value!r} must be {what}" + " or None" * (optional and not typed))
         setattr(c, name, value)
+    choices = dict(loss_type=("grpo", "bnpo", "dapo", "dr_grpo"), scale_rewards=("group", "none"),
+                   lr_scheduler_type=("linear", "constant"), importance_sampling_level=("token", "sequence"))
     rules = {"must be >= 1": (lambda v: v >= 1, "num_iterations max_steps per_device_train_batch_size "
                               "gradient_accumulation_steps max_completion_length logging_steps save_steps "
                               "max_prompt_length save_total_limit steps_per_generation"),
@@ -815,9 +824,7 @@ def check_config(c):  # (scale_rewards=True/False: TRL's older form)
         ("epsilon", 0 < c.epsilon < 1, "must lie in (0, 1)"),
         ("reward_weights", all(isinstance(w, numbers.Real) and math.isfinite(w)
                                for w in c.reward_weights or []), "must be finite numbers"),
-        ("loss_type", c.loss_type in ("grpo", "bnpo", "dapo", "dr_grpo"), "must be grpo/bnpo/dapo/dr_grpo"),
-        ("scale_rewards", c.scale_rewards in ("group", "none"), "must be 'group' or 'none'"),
-        ("lr_scheduler_type", c.lr_scheduler_type in ("linear", "constant"), "must be linear or constant")]
+        *[(n, getattr(c, n) in v, f"must be one of {v}") for n, v in choices.items()]]
     for name, ok, rule in checks:
         require(ok, f"GRPOConfig.{name}={getattr(c, name)!r} {rule}")
 
@@ -889,12 +896,6 @@ def call_reward(f, kwargs):  # f's rewards as a float32 column, NaN for None; el
         require(finite, f"reward function {name!r} returned {v} for completion {i} ({completions[i]!r:.50}); "
                 "rewards must be finite in float32")
     return torch.tensor([math.nan if v is None else float(v) for v in values], dtype=torch.float32)
-
-def check_scored(rewards_per_func, completions):
-    i = next(iter(rewards_per_func.isnan().all(1).nonzero()[:, 0].tolist()), None)  # the first unscored
-    require(i is None, f"every reward function returned None for completion {i} ("
-            f"{completions[i or 0]!r:.80}); at least one must score each completion")
-    return rewards_per_func
 
 def load_policy(model, processing_class, peft_config, args, device):  # checked for what training assumes
     require(isinstance(model, (PreTrainedModel, str, os.PathLike)) or is_peft(model) and peft_config is None,
@@ -990,9 +991,8 @@ def hub_reachable(timeout=3.0):  # one HEAD request with huggingface_hub's clien
     return False
 
 def check_versions():  # the requirements' lower bounds: older versions fail deep inside, unnamed
-    import transformers
     from packaging.version import Version
-    for module, need in ((torch, "2.4"), (transformers, "5.24")):
+    for module, need in ((torch, "2.4"), (sys.modules["transformers"], "5.24")):  # (imported above)
         found = module.__version__.split("+")[0]  # "2.13.0+cpu"
         require(Version(found) >= Version(need), f"grpo_multistep needs {module.__name__} >= {need} (the "
                 f"requirements' range), found {found}: pip install '{module.__name__}>={need}'", ImportError)

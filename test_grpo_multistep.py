@@ -5,6 +5,7 @@ trained here on a few sentences, so the whole file takes seconds on a CPU.
 """
 
 import contextlib
+import itertools
 import json
 import math
 import os
@@ -257,6 +258,32 @@ def test_clip_range_is_asymmetric_with_epsilon_high():
     loss.backward()
     assert (logps.grad[0] == 0).tolist() == [False, True]
     assert stats["clip_high"].item() == 1
+
+
+def test_gspo_clips_a_whole_completion_on_the_geometric_mean_of_its_tokens_ratios():
+    """importance_sampling_level="sequence": one ratio per completion, exp(mean_t log ρ_t). Ratios 1.5 and
+    1.0 average to a log-ratio of log(1.5) / 2, a ratio of 1.22 > 1 + ε: with A > 0 the whole completion is
+    clipped (no gradient at either token), where the token-level ratio clips only the first token."""
+    old_logps = torch.zeros(1, 2)
+    per_token = torch.log(torch.tensor([[1.5, 1.0]]))
+    for level, zero in (("token", [True, False]), ("sequence", [True, True])):
+        logps = per_token.clone().requires_grad_()
+        loss, stats = loss_on(logps, old_logps, torch.tensor([1.0]), importance_sampling_level=level)
+        loss.backward()
+        assert (logps.grad[0] == 0).tolist() == zero, level
+        assert stats["clip_high"].item() == (2 if level == "sequence" else 1)  # the clipped tokens
+
+
+def test_at_ratio_one_gspos_gradient_is_grpos():
+    """At ρ = 1 (μ = 1, or a batch's first step) d exp(mean_t log ρ_t) = mean_t d log π_θ(o_t): the
+    sequence-level loss has the per-sequence-mean (grpo) loss's gradient."""
+    logps = torch.randn(3, 5)
+    advantages, grads = torch.tensor([1.0, -0.5, 0.25]), []
+    for level in ("token", "sequence"):
+        x = logps.clone().requires_grad_()
+        loss_on(x, x.detach(), advantages, loss_type="grpo", importance_sampling_level=level)[0].backward()
+        grads.append(x.grad)
+    torch.testing.assert_close(grads[0], grads[1], rtol=1e-6, atol=1e-7)
 
 
 def test_the_loss_needs_only_the_configs_fields_and_reads_epsilon_high_none_as_epsilon():
@@ -942,6 +969,7 @@ def test_two_processes_make_the_same_updates_as_one(tmp_path, monkeypatch):
     ("save_steps", 0, "save_steps=0"),
     ("loss_type", "ppo", "loss_type='ppo'"),
     ("scale_rewards", "batch", "scale_rewards='batch'"),
+    ("importance_sampling_level", "sequences", "importance_sampling_level='sequences'"),
 ])
 def test_bad_config_values_are_rejected(field, value, match):
     with pytest.raises(ValueError, match=match):
@@ -1329,16 +1357,14 @@ def test_train_again_on_the_same_trainer_after_ctrl_c_resumes_exactly(tmp_path, 
     assert metrics_of(tmp_path / "out") == metrics_of(tmp_path / "whole")
 
 
-def test_train_outside_the_main_thread_says_that_signals_cannot_be_caught(tmp_path):
-    trainer, caught = make_trainer(tmp_path), []
-    def run():
-        with pytest.warns(UserWarning, match="outside the main thread") as record:
-            trainer.train()
-        caught.extend(record)
-    thread = threading.Thread(target=run)
+def test_train_outside_the_main_thread_runs_without_signal_handlers(tmp_path):
+    """Only the main thread can set signal handlers: elsewhere train() sets none, and runs (docs/checkpoints.md
+    says that a signal then ends it without a checkpoint)."""
+    trainer, handler = make_trainer(tmp_path), signal.getsignal(signal.SIGTERM)
+    thread = threading.Thread(target=trainer.train)
     thread.start()
     thread.join()
-    assert caught and trainer.step == 2
+    assert trainer.step == 2 and signal.getsignal(signal.SIGTERM) is handler
 
 
 def test_a_signal_during_a_periodic_save_stops_after_it_not_a_step_later(tmp_path, monkeypatch):
@@ -1865,6 +1891,45 @@ def test_metrics_jsonl_is_strict_json_with_null_where_a_reward_never_applied(tmp
     row = json.loads(open(tmp_path / "out" / "metrics.jsonl").readline(), parse_constant=refuse)
     assert row["rewards/never_applies"] is None and row["rewards/short_is_good"] >= 0
     assert gm.strict_json({"step": 2, "run": "a", "grad_norm": math.inf}) == '{"step": 2, "run": "a", "grad_norm": null}'
+
+
+def test_the_health_metrics_count_flat_groups_and_truncated_completions(tmp_path):
+    """frac_reward_zero_std: the share of groups whose rewards are all equal (advantages 0: no signal).
+    completions/clipped_ratio: the share of completions that hit max_completion_length without an EOS."""
+    trainer = make_trainer(tmp_path)
+    rewards = torch.tensor([1.0, 1.0, 1.0, 1.0, 0.0, 1.0, 0.0, 1.0])     # group 0 flat, group 1 not
+    truncated = torch.tensor([1.0, 0.0, 0.0, 0.0, 1.0, 1.0, 0.0, 0.0])  # no EOS: cut at C tokens
+    m = gm.batch_metrics(trainer, rewards[:, None], rewards, torch.ones(8, 3), truncated)
+    assert (m["frac_reward_zero_std"], m["completions/clipped_ratio"]) == (0.5, 0.375)
+
+
+def test_masked_truncated_completions_leave_the_loss_and_still_shape_their_groups_advantages(tmp_path,
+                                                                                           monkeypatch):
+    """mask_truncated_completions (DAPO's overlong filtering): a completion without an EOS gets no gradient
+    and no place in the token normalizers, as if it had 0 tokens; its reward still counts in its group's
+    mean and std. With max_completion_length=3 some completions are cut: the step's gradient is that of the
+    loss over the others, with the advantages computed over all."""
+    trainer = make_trainer(tmp_path, mask_truncated_completions=True, max_completion_length=3,
+                           loss_type="dapo")
+    reference = make_trainer(tmp_path, max_completion_length=3, loss_type="dapo")  # the same weights
+    sample, calls = gm.sample_token, itertools.count()
+    def some_end(logits, temperature):  # every other completion ends with its second token: not truncated
+        token = sample(logits, temperature)
+        if next(calls) == 1:
+            token[::2] = trainer.tokenizer.eos_token_id
+        return token
+    monkeypatch.setattr(gm, "sample_token", some_end)
+    grads = first_step_gradients(trainer)
+    batch = dict(trainer.batch)
+    truncated = ~torch.isin(batch["completion_ids"], trainer.eos_token_ids).any(1)
+    assert 0 < truncated.sum() < len(truncated) and (batch["completion_mask"][truncated] == 0).all()
+    logps = gm.plain_per_token_logps(reference.model, batch["prompt_ids"], batch["prompt_mask"],
+                                     batch["completion_ids"], batch["completion_mask"], 1.0)
+    mask = batch["completion_mask"]
+    loss = -(torch.exp(logps - logps.detach()) * batch["advantages"][:, None] * mask).sum() / mask.sum()
+    loss.backward()
+    for g, p in zip(grads, reference.model.parameters()):
+        torch.testing.assert_close(g, p.grad, rtol=1e-4, atol=1e-6)
 
 
 def test_reward_functions_with_the_same_name_keep_a_metric_each(tmp_path):

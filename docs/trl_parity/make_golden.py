@@ -121,16 +121,18 @@ def configurations():
     configs = []
 
     def add(loss_type, mu=1, mb=2, beta=0.0, bc=False, eps_high=None, temperature=1.0, spg=False,
-            scale_rewards="group"):
+            scale_rewards="group", level="token", mask_truncated=False, eps=0.2):
         per_device, ga = (8, 1) if mb == 1 else (4, 2)
         name = (f"{loss_type}-mu{mu}-mb{mb}-beta{beta}" + ("-bc" if beta and bc else "")
-                + (f"-eh{eps_high}" if eps_high else "") + (f"-T{temperature}" if temperature != 1 else "")
-                + ("-spg" if spg else "") + ("-noscale" if scale_rewards == "none" else ""))
+                + (f"-e{eps}" if eps != 0.2 else "") + (f"-eh{eps_high}" if eps_high else "") + (f"-T{temperature}" if temperature != 1 else "")
+                + ("-spg" if spg else "") + ("-noscale" if scale_rewards == "none" else "")
+                + ("-seq" if level == "sequence" else "") + ("-masktrunc" if mask_truncated else ""))
         configs.append({"name": name, "args": {
             "loss_type": loss_type, "num_iterations": mu, "per_device_train_batch_size": per_device,
             "gradient_accumulation_steps": ga, "steps_per_generation": 2 * ga if spg else None, "beta": beta,
-            "use_bias_correction_kl": bc, "epsilon_high": eps_high, "temperature": temperature,
-            "scale_rewards": scale_rewards, "learning_rate": LR}})
+            "use_bias_correction_kl": bc, "epsilon": eps, "epsilon_high": eps_high, "temperature": temperature,
+            "scale_rewards": scale_rewards, "importance_sampling_level": level,
+            "mask_truncated_completions": mask_truncated, "learning_rate": LR}})
 
     for loss_type in ("grpo", "bnpo", "dapo", "dr_grpo"):
         for mu in (1, 2):                           # μ × micro-batches: the normalizers, the reuse step
@@ -150,6 +152,15 @@ def configurations():
         add(loss_type, 2, 1, beta=0.04, bc=True, spg=True)
     add("dr_grpo", 2, 2, scale_rewards="none")              # Dr. GRPO as published: no division by the std
     add("bnpo", 2, 2, beta=0.04, bc=True, scale_rewards="none")
+    for loss_type in ("grpo", "dapo"):              # GSPO's sequence-level ratio: μ = 1 (ρ = 1), μ = 2, with
+        add(loss_type, 1, 2, level="sequence")      # the ratio-weighted KL and a stale mini-batch
+        add(loss_type, 2, 2, level="sequence")
+        add(loss_type, 2, 2, beta=0.04, bc=True, spg=True, level="sequence")
+        add(loss_type, 2, 2, level="sequence", eps=3e-4, eps_high=4e-4)  # GSPO's ε: its clip is active
+    for loss_type in ("grpo", "bnpo", "dapo", "dr_grpo"):  # overlong filtering: the 3 truncated completions
+        add(loss_type, 2, 2, mask_truncated=True)          # leave the loss and its normalizers
+    add("grpo", 1, 1, mask_truncated=True)
+    add("dapo", 2, 1, beta=0.04, bc=True, level="sequence", mask_truncated=True)
     return configs
 
 
@@ -211,10 +222,13 @@ def run_trl(tokenizer, table, reward_of, args, max_steps, n_prompts, reward_func
         metrics = trainer._metrics["train"]
         loss = compute_loss(model, inputs)
         tokens = int(inputs["completion_mask"].sum())  # one process: TRL's masked means are this batch's
+        # At the sequence level TRL's clip ratios count sequences, this project's their tokens: not recorded
+        # (the loss and the gradients, which the clip decides, are)
+        per_token = trainer.importance_sampling_level == "token"
         micro_batches.append({"loss": loss.item(), "tokens": tokens,
                               "kl": metrics["kl"][-1] * tokens if "kl" in metrics else None,
-                              "clip_low": round(metrics["clip_ratio/low_mean"][-1] * tokens),
-                              "clip_high": round(metrics["clip_ratio/high_mean"][-1] * tokens)})
+                              "clip_low": round(metrics["clip_ratio/low_mean"][-1] * tokens) if per_token else None,
+                              "clip_high": round(metrics["clip_ratio/high_mean"][-1] * tokens) if per_token else None})
         return loss
 
     class Gradients(TrainerCallback):
@@ -236,7 +250,7 @@ def run_trl(tokenizer, table, reward_of, args, max_steps, n_prompts, reward_func
 
 
 def clipped_shares(steps):  # the share of each step's tokens whose ratio the clip stopped
-    return [sum(m["clip_low"] + m["clip_high"] for m in s["micro_batches"])
+    return [sum((m["clip_low"] or 0) + (m["clip_high"] or 0) for m in s["micro_batches"])
             / sum(m["tokens"] for m in s["micro_batches"]) for s in steps]
 
 
