@@ -15,6 +15,9 @@ from collections import defaultdict
 
 import numpy as np
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from report_fixed_budget import t_interval  # noqa: E402  (few seeds: a t-interval beside the bootstrap)
+
 BOOTSTRAP, CI = 10_000, (2.5, 97.5)
 SETTING = ("SmolLM2-135M-Instruct, the length reward −|40 − len(completion)| on 40 TL;DR-style "
            "posts, held-out reward on 8 others; 8 completions (1 prompt) per optimizer step, 16 steps")
@@ -133,20 +136,23 @@ def report(rows, folder):
     lines += ["", f"Each arm at its best rate against μ = 1 at its best ({base[1]:g}), paired by seed: the "
               f"difference in held-out reward at step {n} and at equal completions generated; w: what an "
               "off-policy step is worth in fresh steps (1: as much; 0: nothing; > 1: the baseline never got there).", "",
-              "| arm | best lr | inside the grid | Δ by steps | Δ by completions (μ = 1 at step) | w |",
-              "|---|---|---|---|---|---|"]
+              "| arm | best lr | inside the grid | Δ by steps | Δ by steps, paired t-interval | "
+              "Δ by completions (μ = 1 at step) | w |", "|---|---|---|---|---|---|---|"]
     summary = {"setting": SETTING, "w": {}, "best_lr": {}, "delta_steps": {}, "delta_completions": {}}
     for arm in sorted(best):
         lr, (n_cycle, S) = best[arm]["lr"], cycle(arm)
         pair = {"base": data[base], "arm": data[arm, lr]}
         at = n * S / n_cycle  # μ = 1 steps that generate as many completions as the arm's n steps
         d_steps = bootstrap(pair, lambda m: m["arm"][n] - m["base"][n], rng)
+        shared = sorted(set(pair["base"]) & set(pair["arm"]))
+        d_t = t_interval([pair["arm"][s][n] - pair["base"][s][n] for s in shared])[:3] if arm != "μ=1" else None
         d_compl = bootstrap(pair, lambda m: m["arm"][n] - reward_at(m["base"], at), rng)
         fresh = n / n_cycle  # each generation batch's first step is on-policy (ratio 1)
         w = bootstrap(pair, lambda m: worth(m["base"], m["arm"][n], n, fresh), rng) if arm != "μ=1" else None
         lines.append(f"| {arm} | {lr:g} | {'yes' if best[arm]['inside'] else 'no: extend the grid'} | "
-                     f"{fmt(*d_steps[:3])} | {fmt(*d_compl[:3])} ({at:g}) | {fmt(*w[:3], 2) if w else '—'} |")
+                     f"{fmt(*d_steps[:3])} | {fmt(*d_t) if d_t else '—'} | {fmt(*d_compl[:3])} ({at:g}) | {fmt(*w[:3], 2) if w else '—'} |")
         summary["best_lr"][arm], summary["delta_steps"][arm] = lr, d_steps[:3]
+        summary.setdefault("delta_steps_t", {})[arm] = d_t
         summary["delta_completions"][arm] = d_compl[:3]
         if w:
             summary["w"][arm] = [None if not np.isfinite(x) else x for x in w[:3]]
