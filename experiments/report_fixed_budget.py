@@ -124,6 +124,14 @@ def report(rows, folder):
             summary["chosen_lr"][key], summary["confirm"][key] = lr, stat
             if delta:
                 summary["vs_mu1"][key] = delta
+    seeds = fb.SEEDS["confirm"]  # every score, to see what a mean hides (a seed whose run collapsed)
+    lines += ["", "Each confirmation seed's held-out reward:", "",
+              "| arm | budget | " + " | ".join(map(str, seeds)) + " |", "|---|---|" + "---|" * len(seeds)]
+    for b in fb.BUDGETS:
+        for arm in fb.ARMS:
+            by_seed = confirm.get((arm, b), {}).get(chosen.get((arm, b), (None,))[0], {})
+            lines.append(f"| {arm} | {b} | " + " | ".join(f"{by_seed[s]:.1f}" if s in by_seed else ""
+                                                          for s in seeds) + " |")
     clips = clip_fractions({k: v for k, v in fb.finished_runs(rows).items() if k[0] == "confirm"})
     summary["clip"] = clips
     lines += ["", "Clip fraction of the off-policy steps (confirmation runs; μ > 1: reuse steps, S = 4: later "
