@@ -229,7 +229,7 @@ def claim_next(phases, rows_path, claims_path):
     with locked(claims_path + ".lock"):
         rows, claims = read(rows_path), read(claims_path)
         done = set(finished_runs(rows))
-        busy = {(c["phase"], c["arm"], c["lr"], c["seed"]) for c in claims if alive(c["pid"])}
+        busy = {(c["phase"], c["arm"], c["lr"], c["seed"]) for c in claims if alive(c["pid"])} - done
         for phase in phases:
             todo = [t for t in tasks(phase, rows) if (phase, *t[:3]) not in done | busy]
             if todo:

@@ -10,7 +10,7 @@ H200, a prediction).
 
     python experiments/report_fixed_budget.py [docs/fixed-budget/rows.jsonl]
 """
-import json, math, os, statistics, sys
+import json, math, os, statistics, sys, textwrap
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import fixed_budget as fb  # noqa: E402
@@ -176,8 +176,8 @@ def draw(summary, start, path):
         ax.set_ylabel("held-out reward, −|40 − characters|")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8, title="arm (rate at each budget)", title_fontsize=8)
-    fig.suptitle("Confirmation seeds only: mean and 95 % t-interval over the seeds (points nudged sideways "
-                 "to be seen). " + SETTING, fontsize=7)
+    fig.suptitle(textwrap.fill("Confirmation seeds only: mean and 95 % t-interval over the seeds (points "
+                               "nudged sideways to be seen). " + SETTING, 180), fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

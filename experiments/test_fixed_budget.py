@@ -103,3 +103,14 @@ def test_seconds_to_spend_a_budget():
 def test_clip_fractions_count_the_off_policy_steps_only():
     runs = {("confirm", "μ=2", 1e-4, 100): run_rows("confirm", "μ=2", 1e-4, 100, {8: -1.0})}
     assert rep.clip_fractions(runs) == {"μ=2": pytest.approx(statistics.mean([0.2, 0.4, 0.6, 0.8]))}
+
+
+def test_a_worker_stops_when_every_run_is_done_even_those_a_live_worker_claimed(tmp_path, monkeypatch):
+    """The claims of a live worker's finished runs are no reason to wait: with nothing left, None."""
+    monkeypatch.setattr(fb, "tasks", lambda phase, rows: [("μ=1", 1e-4, 42, 8)])
+    rows_path, claims_path = str(tmp_path / "rows.jsonl"), str(tmp_path / "claims.jsonl")
+    fb.append(claims_path, {"phase": "tune", "arm": "μ=1", "lr": 1e-4, "seed": 42, "pid": os.getpid()})
+    assert fb.claim_next(["tune"], rows_path, claims_path) == "wait"  # claimed by a live worker, unfinished
+    for row in run_rows("tune", "μ=1", 1e-4, 42, {4: -40.0, 8: -30.0}):
+        fb.append(rows_path, row)
+    assert fb.claim_next(["tune"], rows_path, claims_path) is None  # finished: nothing to wait for
