@@ -1,6 +1,6 @@
 """A/B timing of whole versions of the project, side by side, on one machine at one time.
 
-    python docs/performance/ab.py [--steps 4] [--rounds 1] [--dataset FILE] LABEL=FOLDER [LABEL=FOLDER ...]
+    python docs/performance/ab.py [--steps 4] [--rounds 1] [--dataset FILE] [--demo] LABEL=FOLDER [...]
 
 Each FOLDER is a checkout of the project (for example `git worktree add /tmp/before <commit>`).
 Each round runs every folder once, in turn, in a fresh process, on the μ = 1, β = 0 configuration
@@ -8,6 +8,8 @@ of `train_tldr.py --benchmark` (SmolLM2-135M-Instruct in float32, 4 prompts × 8
 optimizer step, 64-token prompts and completions). It prints, per folder, the median seconds per
 optimizer step (steps after the first), each phase's median, and the peak RSS of the process.
 --dataset: a prompts file for every version (versions whose embedded prompts differ then draw the same ones).
+--demo: the CPU demo's own shape instead (`python train_tldr.py`'s cpu preset), --steps steps, its sample
+lines off.
 """
 import argparse
 import json
@@ -22,8 +24,11 @@ FLAGS = ("--preset cpu --per_device_train_batch_size 8 --gradient_accumulation_s
 PHASES = ("generate", "forward", "backward", "optimizer")
 
 
-def run(folder, steps, out, dataset=None):
-    cmd = [sys.executable, "train_tldr.py", *FLAGS.split(), "--max_steps", str(steps), "--output_dir", out,
+DEMO = "--preset cpu --log_completions False --logging_steps 1"
+
+
+def run(folder, steps, out, dataset=None, flags=FLAGS):
+    cmd = [sys.executable, "train_tldr.py", *flags.split(), "--max_steps", str(steps), "--output_dir", out,
            *(["--dataset", dataset] if dataset else [])]
     subprocess.run(cmd, cwd=folder, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     with open(os.path.join(out, "metrics.jsonl")) as f:
@@ -39,6 +44,7 @@ def main():
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--dataset")
+    parser.add_argument("--demo", action="store_true")
     opts = parser.parse_args()
     versions = dict(v.split("=", 1) for v in opts.versions)
     results = {label: {"step": [], **{p: [] for p in PHASES}, "rss": []} for label in versions}
@@ -46,7 +52,7 @@ def main():
         for label, folder in versions.items():
             with tempfile.TemporaryDirectory() as out:
                 dataset = opts.dataset and os.path.abspath(opts.dataset)
-                got = run(os.path.abspath(folder), opts.steps, out, dataset)
+                got = run(os.path.abspath(folder), opts.steps, out, dataset, DEMO if opts.demo else FLAGS)
             for k, v in got.items():
                 results[label][k] += v if isinstance(v, list) else [v]
             print(f"round {r + 1} {label}: " + ", ".join(f"{s:.1f}" for s in got["step"]) + f" s/step, "
