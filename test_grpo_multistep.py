@@ -288,7 +288,8 @@ def test_at_ratio_one_gspos_gradient_is_grpos():
 
 def test_the_loss_needs_only_the_configs_fields_and_reads_epsilon_high_none_as_epsilon():
     """grpo_loss copied alone works on any object with GRPOConfig's fields; epsilon_high=None means ε (TRL)."""
-    fields = dict(epsilon=0.1, beta=0.0, loss_type="grpo", max_completion_length=4)
+    fields = dict(epsilon=0.1, beta=0.0, loss_type="grpo", max_completion_length=4,
+                  importance_sampling_level="token")
     old_logps, advantages = torch.zeros(2, 4), torch.tensor([1.0, -1.0])
     results = []
     for epsilon_high in (None, 0.1):
@@ -1358,8 +1359,8 @@ def test_train_again_on_the_same_trainer_after_ctrl_c_resumes_exactly(tmp_path, 
 
 
 def test_train_outside_the_main_thread_runs_without_signal_handlers(tmp_path):
-    """Only the main thread can set signal handlers: elsewhere train() sets none, and runs (docs/checkpoints.md
-    says that a signal then ends it without a checkpoint)."""
+    """Only the main thread can set signal handlers: elsewhere train() sets none, and runs
+    (docs/checkpoints.md says that a signal then ends it without a checkpoint)."""
     trainer, handler = make_trainer(tmp_path), signal.getsignal(signal.SIGTERM)
     thread = threading.Thread(target=trainer.train)
     thread.start()

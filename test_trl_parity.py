@@ -3,8 +3,8 @@
 docs/trl_parity/make_golden.py ran TRL, as the oracle, on a tiny Llama saved in docs/trl_parity/ with fixed
 prompts, completions and rewards, in 72 configurations (the four loss types, β and the KL's ratio weighting,
 ε_high, μ, one or two unequal micro-batches, the temperature, steps_per_generation, scale_rewards, GSPO's
-sequence-level ratio, the masking of truncated completions) and an end-to-end run, and wrote what TRL computed into golden.json. Each test replays that with grpo_multistep.py on
-the same weights and compares. TRL is not needed: its numbers are in the file (the README there tells how to
+sequence-level ratio, the masking of truncated completions) and an end-to-end run, and wrote what TRL
+computed into golden.json. Each test replays that with grpo_multistep.py on the same weights and compares. TRL is not needed: its numbers are in the file (the README there tells how to
 make it again).
 
 Tolerance: 1e-5 of each quantity's scale (for a gradient entry, its tensor's norm). The two sides round in a
@@ -140,7 +140,8 @@ def step_errors(ours, theirs):
         # where a ratio within float noise of 1 - ε or 1 + ε_high could round to the other side. (At the
         # sequence level TRL counts clipped sequences, this project their tokens: None, not compared.)
         if b["clip_low"] is not None:
-            assert abs(a["clip_low"] - b["clip_low"]) <= 1 and abs(a["clip_high"] - b["clip_high"]) <= 1, (a, b)
+            assert abs(a["clip_low"] - b["clip_low"]) <= 1, (a, b)
+            assert abs(a["clip_high"] - b["clip_high"]) <= 1, (a, b)
     assert ours["grads"].keys() == theirs["grads"].keys()
     for name, g in ours["grads"].items():
         if (e := tensor_error(g, theirs["grads"][name])) > errors["gradient"]:

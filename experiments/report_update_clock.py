@@ -145,12 +145,14 @@ def report(rows, folder):
         at = n * S / n_cycle  # μ = 1 steps that generate as many completions as the arm's n steps
         d_steps = bootstrap(pair, lambda m: m["arm"][n] - m["base"][n], rng)
         shared = sorted(set(pair["base"]) & set(pair["arm"]))
-        d_t = t_interval([pair["arm"][s][n] - pair["base"][s][n] for s in shared])[:3] if arm != "μ=1" else None
+        diffs = [pair["arm"][s][n] - pair["base"][s][n] for s in shared]
+        d_t = t_interval(diffs)[:3] if arm != "μ=1" else None
         d_compl = bootstrap(pair, lambda m: m["arm"][n] - reward_at(m["base"], at), rng)
         fresh = n / n_cycle  # each generation batch's first step is on-policy (ratio 1)
         w = bootstrap(pair, lambda m: worth(m["base"], m["arm"][n], n, fresh), rng) if arm != "μ=1" else None
         lines.append(f"| {arm} | {lr:g} | {'yes' if best[arm]['inside'] else 'no: extend the grid'} | "
-                     f"{fmt(*d_steps[:3])} | {fmt(*d_t) if d_t else '—'} | {fmt(*d_compl[:3])} ({at:g}) | {fmt(*w[:3], 2) if w else '—'} |")
+                     f"{fmt(*d_steps[:3])} | {fmt(*d_t) if d_t else '—'} | {fmt(*d_compl[:3])} ({at:g}) | "
+                     f"{fmt(*w[:3], 2) if w else '—'} |")
         summary["best_lr"][arm], summary["delta_steps"][arm] = lr, d_steps[:3]
         summary.setdefault("delta_steps_t", {})[arm] = d_t
         summary["delta_completions"][arm] = d_compl[:3]

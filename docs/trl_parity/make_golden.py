@@ -124,14 +124,15 @@ def configurations():
             scale_rewards="group", level="token", mask_truncated=False, eps=0.2):
         per_device, ga = (8, 1) if mb == 1 else (4, 2)
         name = (f"{loss_type}-mu{mu}-mb{mb}-beta{beta}" + ("-bc" if beta and bc else "")
-                + (f"-e{eps}" if eps != 0.2 else "") + (f"-eh{eps_high}" if eps_high else "") + (f"-T{temperature}" if temperature != 1 else "")
+                + (f"-e{eps}" if eps != 0.2 else "") + (f"-eh{eps_high}" if eps_high else "")
+                + (f"-T{temperature}" if temperature != 1 else "")
                 + ("-spg" if spg else "") + ("-noscale" if scale_rewards == "none" else "")
                 + ("-seq" if level == "sequence" else "") + ("-masktrunc" if mask_truncated else ""))
         configs.append({"name": name, "args": {
             "loss_type": loss_type, "num_iterations": mu, "per_device_train_batch_size": per_device,
             "gradient_accumulation_steps": ga, "steps_per_generation": 2 * ga if spg else None, "beta": beta,
-            "use_bias_correction_kl": bc, "epsilon": eps, "epsilon_high": eps_high, "temperature": temperature,
-            "scale_rewards": scale_rewards, "importance_sampling_level": level,
+            "use_bias_correction_kl": bc, "epsilon": eps, "epsilon_high": eps_high,
+            "temperature": temperature, "scale_rewards": scale_rewards, "importance_sampling_level": level,
             "mask_truncated_completions": mask_truncated, "learning_rate": LR}})
 
     for loss_type in ("grpo", "bnpo", "dapo", "dr_grpo"):
@@ -224,11 +225,10 @@ def run_trl(tokenizer, table, reward_of, args, max_steps, n_prompts, reward_func
         tokens = int(inputs["completion_mask"].sum())  # one process: TRL's masked means are this batch's
         # At the sequence level TRL's clip ratios count sequences, this project's their tokens: not recorded
         # (the loss and the gradients, which the clip decides, are)
-        per_token = trainer.importance_sampling_level == "token"
+        clipped = {f"clip_{side}": round(metrics[f"clip_ratio/{side}_mean"][-1] * tokens)
+                   if trainer.importance_sampling_level == "token" else None for side in ("low", "high")}
         micro_batches.append({"loss": loss.item(), "tokens": tokens,
-                              "kl": metrics["kl"][-1] * tokens if "kl" in metrics else None,
-                              "clip_low": round(metrics["clip_ratio/low_mean"][-1] * tokens) if per_token else None,
-                              "clip_high": round(metrics["clip_ratio/high_mean"][-1] * tokens) if per_token else None})
+                              "kl": metrics["kl"][-1] * tokens if "kl" in metrics else None, **clipped})
         return loss
 
     class Gradients(TrainerCallback):
