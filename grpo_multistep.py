@@ -13,9 +13,9 @@ so the loss carries PPO's clipped importance ratio against π_old's log-probs, c
 
 A generation batch may also hold S > 1 optimizer steps' worth of completions (TRL's steps_per_generation);
 each of its S mini-batches is then used μ times, so that μ·S optimizer steps share one generation. With
-μ·S = 1, π_θ *is* π_old: old_logp = logp.detach(), no extra forward pass, and the gradient is exactly that
-of the single-step GRPO loss -exp(logp - logp.detach()) · A. With μ·S > 1 the batch's first step still has
-ρ = 1; every later one (a reuse with μ > 1, a stale mini-batch with S > 1) is off-policy and clipped.
+μ·S = 1, π_θ *is* π_old: old_logp = logp.detach(), no extra forward pass, and the gradient is exactly
+that of the single-step GRPO loss -exp(logp - logp.detach()) · A. With μ·S > 1 the batch's first step still
+has ρ = 1; every later one (a reuse with μ > 1, a stale mini-batch with S > 1) is off-policy and clipped.
 
 Part I is the algorithm, in the order of Algorithm 1; Part II, the engineering it calls in one line each.
 Left out on purpose: vLLM and `model.generate` (a plain loop samples exactly what the log-probs describe),
@@ -486,8 +486,8 @@ def end_of_step(trainer, metrics):  # log every logging_steps, checkpoint every 
     metrics.update({f"time_{k}": trainer.seconds.pop(k, 0.0) for k in PHASES})
     require(trainer.nonfinite_in_a_row < 3, f"training stopped at step {trainer.step}: 3 optimizer steps "
             "in a row had a non-finite loss or gradient norm (check the rewards, the lr, bf16)", RuntimeError)
-    if "reward_std" in metrics:  # no signal left to learn from: all rewards of each group alike
-        trainer.flat_in_a_row = trainer.flat_in_a_row + 1 if metrics["reward_std"] == 0 else 0
+    if "frac_reward_zero_std" in metrics:  # no signal left to learn from: all rewards of each group alike
+        trainer.flat_in_a_row = trainer.flat_in_a_row + 1 if metrics["frac_reward_zero_std"] == 1 else 0
         if trainer.flat_in_a_row == 3:
             warnings.warn(f"step {trainer.step}: every group's rewards were equal for 3 generation batches "
                           "in a row (gradient 0): a reward that does not vary, or completions all alike (a "

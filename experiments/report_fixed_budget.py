@@ -124,8 +124,8 @@ def report(rows, folder):
             summary["chosen_lr"][key], summary["confirm"][key] = lr, stat
             if delta:
                 summary["vs_mu1"][key] = delta
-    seeds = fb.SEEDS["confirm"]  # every score, to see what a mean hides (a seed whose run collapsed)
-    lines += ["", "Each confirmation seed's held-out reward:", "",
+    seeds = fb.SEEDS["confirm"]  # every score, to see what a mean hides (a run that collapsed)
+    lines += ["", "Each confirmation run's held-out reward, by its random seed:", "",
               "| arm | budget | " + " | ".join(map(str, seeds)) + " |", "|---|---|" + "---|" * len(seeds)]
     for b in fb.BUDGETS:
         for arm in fb.ARMS:
