@@ -86,14 +86,12 @@ def tokenize_prompts(tokenizer, prompts, max_prompt_length):
     (which writes its own); each cut to its last max_prompt_length tokens and left-padded, so that every
     completion starts at one column, right after the end of its prompt."""
     chat = not isinstance(prompts[0], str)
-    if chat:
-        prompts = [tokenizer.apply_chat_template(p, tokenize=False, add_generation_prompt=True)
-                   for p in prompts]
+    if chat:  # a list of conversations renders as a list of strings
+        prompts = tokenizer.apply_chat_template(prompts, tokenize=False, add_generation_prompt=True)
     ids = check_prompt_ids(tokenizer(prompts, add_special_tokens=not chat)["input_ids"], max_prompt_length)
-    width = max(len(x) for x in ids)
-    input_ids = torch.tensor([[tokenizer.pad_token_id] * (width - len(x)) + x for x in ids])  # (B, P)
-    attention_mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in ids])       # (B, P)
-    return input_ids, attention_mask
+    padded = tokenizer.pad({"input_ids": ids}, padding_side="left", return_attention_mask=True,
+                           return_tensors="pt")
+    return padded["input_ids"], padded["attention_mask"]                                   # (B, P) each
 
 def position_ids(attention_mask):  # positions that count real tokens only: left padding shifts nothing
     return (attention_mask.cumsum(-1) - 1).clamp(min=0)                               # (B, T)
@@ -101,10 +99,8 @@ def position_ids(attention_mask):  # positions that count real tokens only: left
 def completion_mask(completion_ids, eos_token_ids):
     """1 up to and including the first EOS (any of eos_token_ids), 0 after: by position, not by id, so that
     the EOS stays trainable when pad_token == eos_token."""
-    is_eos = torch.isin(completion_ids, torch.as_tensor(eos_token_ids, device=completion_ids.device))  # (B,C)
-    first_eos = torch.where(is_eos.any(1), is_eos.int().argmax(1), is_eos.size(1))    # (B,)
-    positions = torch.arange(is_eos.size(1), device=completion_ids.device)            # (C,)
-    return (positions[None, :] <= first_eos[:, None]).long()                          # (B, C)
+    is_eos = torch.isin(completion_ids, torch.as_tensor(eos_token_ids, device=completion_ids.device)).long()
+    return (is_eos.cumsum(1) - is_eos == 0).long()  # (B, C): 1 where no EOS came before (the first is kept)
 
 def sample_token(logits, temperature):  # one token per row from exactly softmax(logits / T): (n, V) -> (n,)
     # By inverse CDF: one uniform number per row, where torch.multinomial draws one per vocabulary entry
@@ -154,9 +150,8 @@ def group_advantages(rewards, num_generations, scale_rewards="group"):
     """A_i = (r_i - mean_group(r)) / (std_group(r) + 1e-4), std unbiased (G - 1) as in TRL; scale_rewards=
     'none' (Dr. GRPO) drops the division. A prompt's completions are adjacent: rows [k·G, (k+1)·G)."""
     grouped = rewards.view(-1, num_generations)                               # (B, G)
-    advantages = grouped - grouped.mean(1, keepdim=True)                      # (B, G)
-    if scale_rewards == "group":
-        advantages = advantages / (grouped.std(1, keepdim=True) + 1e-4)
+    scale = grouped.std(1, keepdim=True) + 1e-4 if scale_rewards == "group" else 1.0  # 'none': no division
+    advantages = (grouped - grouped.mean(1, keepdim=True)) / scale            # (B, G)
     # A group of equal rewards carries no signal: exactly 0 (a float mean of equal numbers can miss them).
     all_equal = grouped.max(1, keepdim=True).values == grouped.min(1, keepdim=True).values
     return advantages.masked_fill(all_equal, 0.0).view(-1)                    # (B·G,)
@@ -196,7 +191,7 @@ def cached_logps(trainer, model, batch):
     """π_old's or π_ref's log-probs, in the training passes' micro-batches: step 1's ratio is exactly 1."""
     with autocast(trainer):
         logps = [per_token_logps(model, mb["prompt_ids"], mb["prompt_mask"], mb["completion_ids"],
-                                 mb["completion_mask"], trainer.args.temperature)              # (b, c) each
+                                 mb["completion_mask"], trainer.args.temperature)[0]           # (b, c) each
                  for mb in micro_batches(batch, trainer.args.per_device_train_batch_size)]
     # Each micro-batch was cut to its longest completion: zeros pad it back to the batch's width (masked).
     return torch.cat([F.pad(x, (0, batch["completion_ids"].size(1) - x.size(1))) for x in logps])  # (N, C)
@@ -327,11 +322,12 @@ class GRPOTrainer:
         for mb in micro_batches(batch, args.per_device_train_batch_size):         # gradient accumulation
             lap(self, "forward")
             with autocast(self):
-                logps = per_token_logps(self.model, mb["prompt_ids"], mb["prompt_mask"], mb["completion_ids"],
-                                        mb["completion_mask"], args.temperature)                # (b, C)
+                logps, entropy = per_token_logps(self.model, mb["prompt_ids"], mb["prompt_mask"],
+                    mb["completion_ids"], mb["completion_mask"], args.temperature)           # (b, C) each
             old_logps = mb["old_logps"] if "old_logps" in mb else logps.detach()  # π_old
             loss, stats = grpo_loss(logps, old_logps, mb.get("ref_logps"), mb["advantages"],
                                     mb["completion_mask"], args, batch["num_seqs"], batch["num_tokens"])
+            stats["entropy"] = (entropy * mb["completion_mask"]).sum()  # H(π_θ) over the loss's tokens
             lap(self, "backward")
             loss.backward()
             for k, v in {"loss": loss.detach(), "tokens": mb["completion_mask"].sum(), **stats}.items():
@@ -350,7 +346,8 @@ class GRPOTrainer:
         write_metrics(self, metrics)  # rank 0 prints a line and appends it to output_dir/metrics.jsonl
 
 # ======================================= PART II: THE ENGINEERING =======================================
-# plain_per_token_logps, fast (tested equal): prompt sharing, a chunked LM head (no (b, C, V) logits at once)
+# plain_per_token_logps, fast (tested equal): prompt sharing, a chunked LM head (no (b, C, V) logits at once);
+# with each token's entropy H(π(· | q, o_<t)) beside its log-prob, from the same logits: (b, C) each
 def per_token_logps(model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature):
     mask = torch.cat([prompt_mask, completion_mask], 1)                                   # (b, P+C)
     decoder, P, positions = model.get_decoder(), prompt_ids.size(1), position_ids(mask)     # (b, P+C)
@@ -370,8 +367,8 @@ def per_token_logps(model, prompt_ids, prompt_mask, completion_ids, completion_m
         hidden = torch.cat([prompt.last_hidden_state[prompt_of, -1:], completion[:, :-1]], 1)  # (b, C, H)
     head = model.get_output_embeddings()  # logits = lm_head(hidden), as load_policy checks
     pairs = zip(hidden.flatten(0, 1).split(CHUNK), completion_ids.flatten().split(CHUNK))  # (n, H), (n,)
-    logps = [TokenLogps.apply(h, y, temperature, head.weight, head.bias) for h, y in pairs]  # log π(y)
-    return torch.cat(logps).view_as(completion_ids)                                       # (b, C)
+    logps, entropies = zip(*[TokenLogps.apply(h, y, temperature, head.weight, head.bias) for h, y in pairs])
+    return torch.cat(logps).view_as(completion_ids), torch.cat(entropies).view_as(completion_ids)
 
 # The LM head, CHUNK tokens at a time: log π(y) = z_y - logsumexp(z), z = (h Wᵀ + b) / T; forward keeps h,
 # logsumexp(z); backward redoes z in place into onehot(y) - softmax(z): vs checkpointing, -0.27 GiB, -5 % time
@@ -385,10 +382,14 @@ class TokenLogps(torch.autograd.Function):
         lse = logits.logsumexp(-1)                                                          # (n,)
         ctx.save_for_backward(hidden, targets, weight, bias, lse)
         ctx.temperature, ctx.bf16 = temperature, torch.is_autocast_enabled(hidden.device.type)
-        return logits.gather(-1, targets[:, None]).squeeze(-1) - lse                        # (n,)
+        logp = logits.gather(-1, targets[:, None]).squeeze(-1) - lse                        # (n,)
+        log_probs = logits.sub_(lse[:, None])                          # (n, V): log π(v), in z's memory
+        entropy = -log_probs.exp().mul_(log_probs).sum(-1)  # (n,): -Σ_v π(v) log π(v), for the metric only
+        ctx.mark_non_differentiable(entropy)
+        return logp, entropy
 
     @staticmethod
-    def backward(ctx, grad):                                  # grad (n,): d loss / d log π(y)
+    def backward(ctx, grad, _):                               # grad (n,): d loss / d log π(y)
         hidden, targets, weight, bias, lse = ctx.saved_tensors
         with torch.autocast(hidden.device.type, torch.bfloat16, enabled=ctx.bf16):  # as in forward
             logits = F.linear(hidden, weight, bias).float()                                 # (n, V)
@@ -478,7 +479,8 @@ def step_metrics(trainer, sums, grad_norm):  # sums over micro-batches and ranks
                       f"skipped ({trainer.nonfinite_in_a_row} in a row)", stacklevel=3)
     return {"loss": s["loss"], "grad_norm": float(grad_norm), **({"kl": s["kl"] / n} if "kl" in s else {}),
             "learning_rate": trainer.scheduler.get_last_lr()[0], "clip_ratio_low": s["clip_low"] / n,
-            "clip_ratio_high": s["clip_high"] / n, "nonfinite_steps": float(not finite)}
+            "clip_ratio_high": s["clip_high"] / n, "entropy": s["entropy"] / n,
+            "nonfinite_steps": float(not finite)}
 
 def end_of_step(trainer, metrics):  # log every logging_steps, checkpoint every save_steps, stop on trouble
     trainer.snapshot = gather_snapshot(trainer)  # first: what a checkpoint of this step holds (a collective)
@@ -555,8 +557,7 @@ def start_run(trainer, resume_from_checkpoint):  # check again; resume, or start
             f"{', '.join(map(os.path.basename, earlier))}): resume it with train(resume_from_checkpoint="
             "True), choose another output_dir, or set overwrite_output_dir=True (deletes it, starts afresh)")
     # The final save writes the model's and tokenizer's files into output_dir: never over a user's own.
-    ran = set(map(os.path.basename, earlier))
-    theirs = sorted(final_save_names(trainer) & set(os.listdir(out)) - ran)
+    theirs = sorted(final_save_names(trainer) & set(os.listdir(out)) - set(map(os.path.basename, earlier)))
     require(not theirs or args.overwrite_output_dir, f"output_dir {out!r} holds {', '.join(theirs)}, which "
             "no run here wrote and the final save would overwrite: choose another output_dir, or set "
             "overwrite_output_dir=True (the final save then overwrites them)")
@@ -744,9 +745,8 @@ def check_trainer_state(trainer, state, file):  # what load_checkpoint reads: wh
 def adapter_config(model):  # a PeftModel's adapter config, what its weights mean (None: no adapter), as JSON
     if not is_peft(model):
         return None
-    config = model.peft_config["default"].to_dict()
-    for k in ("base_model_name_or_path", "revision", "inference_mode", "peft_version"):  # not its function
-        config.pop(k, None)
+    ignored = ("base_model_name_or_path", "revision", "inference_mode", "peft_version")  # not its function
+    config = {k: v for k, v in model.peft_config["default"].to_dict().items() if k not in ignored}
     return json.dumps(config, sort_keys=True, default=lambda v: sorted(v) if isinstance(v, set) else str(v))
 
 def set_aside_after(trainer, step):  # what output_dir's run logged after `step`: a roll-back keeps it aside
@@ -776,7 +776,7 @@ def final_model_files(out):  # the entries of output_dir that final_model_files.
 
 def list_checkpoints(output_dir):  # the complete ones, oldest first (not checkpoint-<step>.tmp), as named
     names = os.listdir(output_dir) if os.path.isdir(output_dir) else []
-    steps = {int(n[11:]): n for n in names if n.startswith("checkpoint-") and n[11:].isdigit()}
+    steps = {int(n[11:]): n for n in names if n.startswith("checkpoint-") and n[11:].isdecimal()}
     return [os.path.join(output_dir, steps[s]) for s in sorted(steps)]
 
 def final_save_names(trainer):  # the files that the final save writes into output_dir

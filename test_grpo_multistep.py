@@ -111,7 +111,7 @@ def test_mu1_gradient_equals_detached_ratio_gradient_exactly(tmp_path, loss_type
     batch, args = trainer.batch, reference.args
     for mb in gm.micro_batches(batch, args.per_device_train_batch_size):
         logps = per_token_logps(reference.model, mb["prompt_ids"], mb["prompt_mask"], mb["completion_ids"],
-                                mb["completion_mask"], args.temperature)
+                                mb["completion_mask"], args.temperature)[0]
         per_token_loss = -torch.exp(logps - logps.detach()) * mb["advantages"][:, None]
         mask = mb["completion_mask"]
         if loss_type == "grpo":
@@ -512,9 +512,9 @@ def test_left_padding_does_not_change_log_probs():
     model = make_model(tokenizer)
     ids, mask = gm.tokenize_prompts(tokenizer, ["hello world", "the cat sat on the mat"], None)
     completion = torch.tensor([[40, 50, 60], [40, 50, 60]])
-    padded = per_token_logps(model, ids, mask, completion, torch.ones_like(completion), 1.0)
+    padded = per_token_logps(model, ids, mask, completion, torch.ones_like(completion), 1.0)[0]
     alone_ids = torch.tensor([tokenizer("hello world", add_special_tokens=False)["input_ids"]])
-    alone = per_token_logps(model, alone_ids, torch.ones_like(alone_ids), completion[:1], torch.ones(1, 3), 1.0)
+    alone = per_token_logps(model, alone_ids, torch.ones_like(alone_ids), completion[:1], torch.ones(1, 3), 1.0)[0]
     assert mask[0, 0] == 0                                                # row 0 really is left-padded
     torch.testing.assert_close(padded[0], alone[0], rtol=0, atol=1e-5)
 
@@ -531,7 +531,7 @@ def test_lean_chunked_log_probs_equal_log_softmax_of_tempered_logits(temperature
         model.lm_head.bias = torch.nn.Parameter(torch.randn(len(tokenizer)))
     ids = torch.randint(2, len(tokenizer), (3, 10))
     weights = torch.randn(3, 4)  # ∂loss/∂log π of each token: each row must be scaled by its own
-    lean = per_token_logps(model, ids[:, :6], torch.ones(3, 6), ids[:, 6:], torch.ones(3, 4), temperature)
+    lean = per_token_logps(model, ids[:, :6], torch.ones(3, 6), ids[:, 6:], torch.ones(3, 4), temperature)[0]
     (lean * weights).sum().backward()
     lean_grads = [p.grad.clone() for p in model.parameters()]
     model.zero_grad()
@@ -551,7 +551,7 @@ def test_the_lm_head_backward_reruns_the_head_under_the_bf16_autocast_of_its_for
     hidden, weight = torch.randn(6, 16, requires_grad=True), (10 * torch.randn(50, 16)).requires_grad_()
     targets, weights = torch.randint(50, (6,)), torch.randn(6)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        lean = gm.TokenLogps.apply(hidden, targets, 0.7, weight, None)
+        lean = gm.TokenLogps.apply(hidden, targets, 0.7, weight, None)[0]
         logits = torch.nn.functional.linear(hidden, weight).float() / 0.7         # bf16 products, as bf16=True
         plain = logits.log_softmax(-1).gather(-1, targets[:, None]).squeeze(-1)
     torch.testing.assert_close(lean, plain, rtol=0, atol=1e-5)
@@ -617,7 +617,7 @@ def test_the_completions_of_a_prompt_share_its_forward_pass_and_get_the_plain_lo
     completion_mask[1, 3:] = completion_mask[4, 1:] = 0                                        # ended early
     rows_in = []
     hook = model.get_input_embeddings().register_forward_hook(lambda m, inputs, out: rows_in.append(len(inputs[0])))
-    lean = per_token_logps(model, prompt_ids, prompt_mask, completion_ids, completion_mask, 0.7) * completion_mask
+    lean = per_token_logps(model, prompt_ids, prompt_mask, completion_ids, completion_mask, 0.7)[0] * completion_mask
     lean.sum().backward()
     hook.remove()
     assert rows_in == ([6] if checkpointing else [2, 6])   # shared: the 2 prompts, then the 6 completions
@@ -643,7 +643,7 @@ def test_attention_dropout_is_turned_off_like_the_rest(tmp_path):
     trainer = make_trainer(tmp_path, model=model, tokenizer=tokenizer)
     mb = next(gm.micro_batches(trainer.generate_and_score(0)[0], 8))
     first, second = (per_token_logps(trainer.model, mb["prompt_ids"], mb["prompt_mask"], mb["completion_ids"],
-                                     mb["completion_mask"], 1.0) for _ in range(2))
+                                     mb["completion_mask"], 1.0)[0] for _ in range(2))
     assert trainer.model.training and torch.equal(first, second)
 
 
@@ -1938,6 +1938,35 @@ def test_reward_functions_with_the_same_name_keep_a_metric_each(tmp_path):
     ones, twos = (lambda completions, **kw: [1.0] * len(completions)), (lambda completions, **kw: [2.0] * len(completions))
     _, metrics = make_trainer(tmp_path, reward_funcs=[ones, twos]).generate_and_score(0)
     assert (metrics["rewards/<lambda>_1"], metrics["rewards/<lambda>_2"], metrics["reward"]) == (1.0, 2.0, 3.0)
+
+
+def test_the_entropy_metric_is_the_policys_entropy_over_the_losss_tokens(tmp_path):
+    """entropy (TRL's name): H(π_θ(· | q, o_<t)) = -Σ_v π(v) log π(v) at the temperature's logits, averaged
+    over a step's completion tokens, from the training forward pass (the chunked LM head: no (b, C, V) at
+    once). Known answer: the full softmax of the model's logits, masked the same way."""
+    trainer = make_trainer(tmp_path, temperature=0.7)
+    torch.manual_seed(0)
+    batch, _ = trainer.generate_and_score(0)
+    with torch.no_grad():
+        ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
+        mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)
+        logits = trainer.model(input_ids=ids, attention_mask=mask, position_ids=gm.position_ids(mask)).logits
+        logp = (logits[:, batch["prompt_ids"].size(1) - 1:-1] / 0.7).log_softmax(-1)  # (B, C, V)
+        entropy = -(logp.exp() * logp).sum(-1)                                       # (B, C)
+        _, lean = gm.per_token_logps(trainer.model, batch["prompt_ids"], batch["prompt_mask"],
+                                     batch["completion_ids"], batch["completion_mask"], 0.7)
+    m = batch["completion_mask"]
+    torch.testing.assert_close(lean * m, entropy * m, rtol=1e-4, atol=1e-5)
+    metrics = trainer.optimizer_step(batch)
+    assert metrics["entropy"] == pytest.approx(float((entropy * m).sum() / m.sum()), rel=1e-4)
+    assert 0 < metrics["entropy"] < math.log(len(trainer.tokenizer))  # at most the uniform's, log V
+
+
+def test_a_folder_named_like_a_checkpoint_with_other_digits_is_not_one(tmp_path):
+    """str.isdigit() takes '²' (and int() then fails): only checkpoint-<decimal digits> folders count."""
+    for name in ("checkpoint-2", "checkpoint-²", "checkpoint-10", "checkpoint-x"):
+        (tmp_path / name).mkdir()
+    assert [os.path.basename(c) for c in gm.list_checkpoints(str(tmp_path))] == ["checkpoint-2", "checkpoint-10"]
 
 
 # ---------------------------------------------------------------------------------------------------
