@@ -118,10 +118,11 @@ def estimate_step_memory(config, args, world_size=1, lora_params=None, base_dtyp
     # gradient from the completion pass in an input buffer until the prompt pass's backward adds its own:
     # a copy of the layers' gradients. The peak is at the completion pass's embedding backward: those, the
     # prompt pass's activations, the embedding's new dense (V, H) gradient and, tied, the head's gradient,
-    # buffered as it waits for the embedding's (measured: docs/memory-model.md). Checkpointing: one pass.
+    # buffered as it waits for the embedding's (measured: docs/memory-model.md). Checkpointing: one pass, only
+    # the embeddings' two.
     layers = (lora_params or n_params - V * H * (2 - tied)) * f32  # trainable weights but the embeddings
-    pending = layers + (0 if lora_params else E * (1 + tied))
-    t["pending_gradients"] = 0 if args.gradient_checkpointing else pending
+    embeddings = 0 if lora_params else E * (1 + tied)
+    t["pending_gradients"] = embeddings + (0 if args.gradient_checkpointing else layers)
     seqs = (args.steps_per_generation or args.gradient_accumulation_steps) * b  # B·G of a generation batch
     # KV cache: K and V of every layer, kv heads, P + C positions (autocast: bf16); then the last position's
     # logits (float32) and sample_token's float64 probabilities and their cumulative sum
@@ -132,9 +133,9 @@ def estimate_step_memory(config, args, world_size=1, lora_params=None, base_dtyp
     # CPU: glibc keeps freed blocks under its 32 MiB mmap threshold in its heap. A micro-batch's activations
     # are such blocks, freed while longer-lived ones (gradients; with checkpointing, the layers' inputs) are
     # allocated among them, and later allocations do not refill all the holes. Measured: about as much stays
-    # resident as the micro-batch's activations without checkpointing (0.6 to 1.2 times; docs/memory-model.md)
-    unshared = activation_bytes(config, args, element, P, checkpointing=False)[0]
-    t["retention"] = unshared if device == "cpu" else 0
+    # resident as the micro-batch's activations without checkpointing (0.4 to 1.4 times; docs/memory-model.md)
+    uncheckpointed = activation_bytes(config, args, element, P, checkpointing=False)[0]
+    t["retention"] = uncheckpointed if device == "cpu" else 0
     moments = 0 if first_step else t["adam_moments"]
     static = t["baseline"] + t["weights"] + t["reference"] + moments
     grads = t["gradients"] if args.gradient_accumulation_steps > 1 else 0  # from the 2nd micro-batch on
