@@ -1,0 +1,183 @@
+"""Peak RSS of GRPO optimizer steps on this CPU, beside experiments/memory_model.py's estimate.
+
+    nice -n 10 python experiments/measure_memory.py MODEL SHAPES [--steps N] [--gradient_checkpointing]
+
+MODEL: qwen2.5-0.5b (Qwen2.5-0.5B's published config) or smollm2-135m (the config of the converted
+SmolLM2-135M-Instruct in ~/.cache/grpo_multistep); SHAPES: a train_tldr.py preset's shapes, pr2899 or cpu.
+Each measurement is a fresh process (`measure`): it imports, builds a word-level tokenizer and the prompts,
+reads its RSS (the baseline: everything but the model), builds the model from the config with random
+weights (nothing is downloaded), trains N optimizer steps (save_steps large: the final save only, into a
+temporary output_dir) and reports its peak RSS (ru_maxrss) and, from a thread that reads /proc/self/statm
+every 2 ms, the highest RSS of each phase and (glibc) of the bytes that malloc has handed out and not had
+back ("live": mallinfo2's in-use heap plus mmapped blocks; RSS minus live is what the allocator keeps).
+Random weights rarely sample EOS: completions run to max_completion_length, the worst case; prompts are
+longer than max_prompt_length, so they are cut to it.
+"""
+import contextlib, functools, json, os, random, resource, subprocess, sys, tempfile, threading, time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, ".."))  # the repository's root
+SMOLLM2 = os.path.expanduser("~/.cache/grpo_multistep/SmolLM2-135M-Instruct")
+QWEN25_05B = dict(model_type="qwen2", hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                  num_attention_heads=14, num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True,
+                  max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6)
+SHAPES = ("num_generations", "per_device_train_batch_size", "gradient_accumulation_steps",
+          "max_prompt_length", "max_completion_length", "beta", "temperature", "loss_type", "learning_rate")
+GIB = 2**30
+
+
+def model_config(name):  # a dict that transformers.AutoConfig.for_model takes
+    if name == "qwen2.5-0.5b":
+        return dict(QWEN25_05B)
+    with open(os.path.join(SMOLLM2, "config.json")) as f:
+        config = json.load(f)
+    keep = ("model_type hidden_size intermediate_size num_hidden_layers num_attention_heads "
+            "num_key_value_heads head_dim vocab_size tie_word_embeddings max_position_embeddings "
+            "rope_parameters rms_norm_eps attention_bias mlp_bias hidden_act").split()
+    return {k: config[k] for k in keep if k in config}
+
+
+def shapes(preset, **overrides):  # the preset's GRPOConfig shape fields (train_tldr.py's PRESETS)
+    import train_tldr
+    return {**{k: v for k, v in train_tldr.PRESETS[preset].items() if k in SHAPES}, **overrides}
+
+
+def measure(config, args, steps=1, timeout=3600, env=None):
+    """Run `steps` optimizer steps in a fresh process (env: more environment variables): {baseline, peak,
+    phases, live (bytes), params, seconds}."""
+    spec = json.dumps({"config": config, "args": args, "steps": steps})
+    out = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", spec], capture_output=True,
+                         text=True, timeout=timeout,
+                         env={**os.environ, "TOKENIZERS_PARALLELISM": "false", **(env or {})})
+    if out.returncode:
+        raise RuntimeError(f"measurement failed ({out.returncode}):\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def mallinfo():  # glibc's mallinfo2 (2.33+), or None
+    import ctypes
+    with contextlib.suppress(OSError, AttributeError):
+        class Mallinfo2(ctypes.Structure):
+            names = "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost"
+            _fields_ = [(n, ctypes.c_size_t) for n in names.split()]
+        f = ctypes.CDLL("libc.so.6").mallinfo2
+        f.restype = Mallinfo2
+        return f
+    return None
+
+
+def rss():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def child(spec):
+    import warnings
+    import torch, transformers
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    import grpo_multistep as gm
+    warnings.filterwarnings("ignore")  # prompts longer than max_prompt_length: on purpose
+    config = transformers.AutoConfig.for_model(**spec["config"])
+    model_class = transformers.AutoModelForCausalLM._model_mapping[type(config)]  # its module imported now
+    words = min(config.vocab_size, 4096)  # ids < the vocabulary; ids beyond the tokenizer's decode to nothing
+    vocab = {"<pad>": 0, "<eos>": 1, **{f"w{i}": i for i in range(2, words)}}
+    bpe = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    bpe.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<eos>",
+                                                     pad_token="<pad>")
+    rng = random.Random(0)
+    P = spec["args"]["max_prompt_length"]
+    prompts = [{"prompt": " ".join(f"w{rng.randrange(2, words)}" for _ in range(P + 16))} for _ in range(64)]
+    phase, peak, live, in_use = ["build"], {}, {}, mallinfo()
+
+    def sample():
+        while True:
+            label = phase[0]
+            peak[label] = max(peak.get(label, 0), rss())
+            if in_use:
+                m = in_use()
+                live[label] = max(live.get(label, 0), m.uordblks + m.hblkhd)
+            time.sleep(0.002)
+
+    def in_phase(owner, name, label):  # owner.name's calls count as `label` (inside another phase: that one)
+        f = getattr(owner, name)
+
+        @functools.wraps(f)
+        def wrapped(*args, **kwargs):
+            outer = phase[0]
+            phase[0] = label if outer == "between" else outer
+            try:
+                return f(*args, **kwargs)
+            finally:
+                time.sleep(0.005)  # let the sampler see the phase's end
+                phase[0] = outer
+        setattr(owner, name, wrapped)
+    for owner, name, label in [(gm, "generate_completions", "generate"), (gm, "cached_logps", "logps"),
+                               (gm, "per_token_logps", "forward"), (torch.Tensor, "backward", "backward"),
+                               (torch.optim.AdamW, "step", "optimizer"), (gm, "save_checkpoint", "save")]:
+        in_phase(owner, name, label)
+    baseline, m = rss(), in_use and in_use()
+    baseline_live = m and m.uordblks + m.hblkhd
+    threading.Thread(target=sample, daemon=True).start()
+    start = time.perf_counter()
+    torch.manual_seed(0)
+    model = model_class(config).float()
+    params = sum(p.numel() for p in model.parameters())
+    phase[0] = "init"
+    with tempfile.TemporaryDirectory() as out:
+        reward = lambda completions, **kwargs: [-abs(100 - len(c)) for c in completions]  # noqa: E731
+        args = gm.GRPOConfig(output_dir=out, max_steps=spec["steps"], save_steps=10**6, logging_steps=1,
+                             **spec["args"])
+        trainer = gm.GRPOTrainer(model, reward, args=args, train_dataset=prompts, processing_class=tokenizer)
+        phase[0] = "between"
+        trainer.train()
+    time.sleep(0.01)
+    peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+    print(json.dumps({"baseline": baseline, "peak": peak_rss, "phases": peak, "live": live,
+                      "baseline_live": baseline_live, "params": params,
+                      "seconds": time.perf_counter() - start, "torch": torch.__version__}))
+
+
+def main(argv):
+    import argparse
+    from experiments.memory_model import estimate_step_memory
+    import transformers
+    import grpo_multistep as gm
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("model", choices=["qwen2.5-0.5b", "smollm2-135m"])
+    parser.add_argument("shapes", choices=["pr2899", "cpu"])
+    parser.add_argument("--steps", type=int, default=1)
+    parser.add_argument("--gradient_checkpointing", action="store_true")
+    parser.add_argument("--mmap-threshold", type=int, metavar="BYTES", help="glibc's MALLOC_MMAP_THRESHOLD_: "
+                        "fixed, so that freed blocks above it go back to the system (default: glibc's own)")
+    opts = parser.parse_args(argv)
+    config = model_config(opts.model)
+    args = shapes(opts.shapes, **({"gradient_checkpointing": True} if opts.gradient_checkpointing else {}))
+    env = {"MALLOC_MMAP_THRESHOLD_": str(opts.mmap_threshold)} if opts.mmap_threshold else {}
+    result = measure(config, args, opts.steps, env=env)
+    model_config_, grpo_config = transformers.AutoConfig.for_model(**config), gm.GRPOConfig(**args)
+    estimate, live = (estimate_step_memory(model_config_, grpo_config, baseline=result["baseline"],
+                                           first_step=opts.steps == 1, device=device)
+                      for device in ("cpu", "none"))  # "none": without the CPU allocator's retention
+    print(f"{opts.model}, {opts.shapes} shapes, {opts.steps} step(s), torch {result['torch']}, "
+          f"{os.cpu_count()} cores, {result['seconds']:.0f} s; {result['params']:,} parameters")
+    print("measured peak RSS by phase (GiB): " + ", ".join(f"{k} {v / GIB:.2f}"
+                                                           for k, v in result["phases"].items()))
+    if result["live"]:
+        print("measured peak live malloc bytes by phase (GiB): " + ", ".join(
+            f"{k} {v / GIB:.2f}" for k, v in result["live"].items())
+            + f" (baseline {result['baseline_live'] / GIB:.2f})")
+    print("estimate's terms (GiB): " + ", ".join(f"{k} {v / GIB:.3f}" for k, v in estimate.items()))
+    error = estimate["peak"] / result["peak"] - 1
+    print(f"measured peak RSS {result['peak'] / GIB:.2f} GiB (baseline {result['baseline'] / GIB:.2f}); "
+          f"estimate {estimate['peak'] / GIB:.2f} GiB: {error:+.1%}; without the retention term "
+          f"{live['peak'] / GIB:.2f} GiB: {live['peak'] / result['peak'] - 1:+.1%}")
+    print(json.dumps({"measured": result, "estimate": estimate}))
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["--child"]:
+        child(json.loads(sys.argv[2]))
+    else:
+        main(sys.argv[1:])

@@ -1,0 +1,149 @@
+"""A memory model of one GRPO optimizer step of grpo_multistep.py, from a model config and a GRPOConfig.
+
+estimate_step_memory(config, args, ...) returns named terms in bytes and the peak: the largest of the phases'
+totals (generation, training forward and backward, the all-reduce, AdamW's step), each the sum of what is
+alive then. Checked against peak RSS on a 2-core CPU (experiments/measure_memory.py, docs/memory-model.md).
+
+Modeled: weights, gradients and AdamW's moments (trainable ones, float32); π_ref's copy; what autograd saves
+in a training micro-batch, with and without gradient checkpointing; the gradients that autograd holds back
+while prompt sharing's two passes meet; the LM head's chunked logits; generation's KV cache and logits;
+torchrun's flat gradient copy; the process's baseline (imports: a parameter); on CPU, the freed activations
+that glibc keeps resident (`retention`, an allocator effect, measured). Left out: the no-grad π_old/π_ref
+passes (a layer's temporaries and a head chunk at a time: below the training pass), a layer's temporaries in
+backward, attention masks, cos/sin, prompts and metrics (kilobytes to a few MB), CUDA's caching-allocator
+slack, kernels' workspaces. Prompts are max_prompt_length long, completions max_completion_length (no EOS):
+the worst case, the one that random weights produce.
+"""
+import math
+
+import torch
+
+CHUNK = 256  # grpo_multistep.CHUNK: the LM head's tokens per chunk (not imported: no trainer needed)
+
+
+def dims(config):
+    H, heads = config.hidden_size, config.num_attention_heads
+    kv = getattr(config, "num_key_value_heads", None) or heads
+    d = getattr(config, "head_dim", None) or H // heads
+    return H, config.intermediate_size, config.num_hidden_layers, config.vocab_size, heads, kv, d
+
+
+def param_count(config):
+    """Every parameter once (a tied LM head is the embedding): sum(p.numel() for p in model.parameters())."""
+    H, I, L, V, heads, kv, d = dims(config)
+    qkv_bias = config.model_type == "qwen2" or getattr(config, "attention_bias", False)  # Qwen2: q, k, v
+    o_bias = config.model_type != "qwen2" and getattr(config, "attention_bias", False)  # Llama: all four
+    attention = 2 * H * heads * d + 2 * H * kv * d + qkv_bias * (heads + 2 * kv) * d + o_bias * H
+    mlp = 3 * H * I + getattr(config, "mlp_bias", False) * (2 * I + H)  # gate, up, down
+    head = 0 if config.tie_word_embeddings else V * H
+    return V * H + L * (attention + mlp + 2 * H) + H + head  # (+ 2 RMSNorms a layer, the final one)
+
+
+def linear_param_count(config):  # the weights that bf16 autocast casts (and caches) in each forward
+    H, I, L, V, heads, kv, d = dims(config)
+    return L * (2 * H * heads * d + 2 * H * kv * d + 3 * H * I) + V * H
+
+
+def lora_param_count(config, rank=16, targets=("q_proj", "k_proj", "v_proj", "o_proj")):
+    """A LoRA adapter's parameters: rank × (in + out) per targeted projection and layer."""
+    H, I, L, V, heads, kv, d = dims(config)
+    shapes = dict(q_proj=(H, heads * d), k_proj=(H, kv * d), v_proj=(H, kv * d), o_proj=(heads * d, H),
+                  gate_proj=(H, I), up_proj=(H, I), down_proj=(I, H))
+    return L * sum(rank * sum(shapes[t]) for t in targets)
+
+
+def activation_bytes(config, args, element, prompt_length, checkpointing=None):
+    """What autograd saves in a training micro-batch (per_token_logps, TokenLogps): (all, the prompt pass's).
+
+    Per layer and token (counted by saved_tensors_hooks, Qwen2 and Llama, transformers 5, SDPA): the layer's
+    input (the residual stream), RMSNorm's normalized x and output (q, k, v's input), q after RoPE, the
+    attention's output (o_proj's input: one storage), the mid-layer residual, the second norm's normalized x
+    and output: 8 vectors of H; the MLP's gate, up, SiLU(gate) and their product (down's input): 4 of I. And
+    the attention's K and V, expanded to all heads (repeat_kv: SDPA gets a mask) over the keys' length.
+    Without checkpointing, prompt sharing: each distinct prompt of the b completions runs once (P tokens,
+    its own K, V), the b·C completion tokens attend to its cache (P + C keys); after the layers, the final
+    norm's input and normalized x, the LM head's input (b·C, H).
+    Gradient checkpointing (checkpointing None: args'): one pass over b·(P + C) tokens; each layer keeps its
+    input only, backward rebuilds one layer at a time (its full activations, counted once); final norm and
+    LM head as above."""
+    H, I, L, V, heads, kv, d = dims(config)
+    b, G, P = args.per_device_train_batch_size, args.num_generations, prompt_length
+    C, per_token = args.max_completion_length, 8 * H + 4 * I
+    if args.gradient_checkpointing if checkpointing is None else checkpointing:
+        N = b * (P + C)  # tokens of the one pass
+        layer = N * per_token + 2 * b * heads * (P + C) * d  # the layer that backward rebuilds
+        return element * (L * N * H + 2 * N * H + b * C * H + layer), 0
+    prompts = 1 + math.ceil((b - math.gcd(b, G)) / G)  # distinct prompts in b adjacent rows, at worst
+    completion_layer = b * C * per_token + 2 * b * heads * (P + C) * d
+    prompt_pass = element * prompts * (L * (P * per_token + 2 * heads * P * d) + 2 * P * H)
+    return element * (L * completion_layer + 3 * b * C * H) + prompt_pass, prompt_pass
+
+
+def estimate_step_memory(config, args, world_size=1, lora_params=None, base_dtype=torch.float32, baseline=0,
+                         first_step=False, device="cpu", prompt_length=None):
+    """Bytes of one optimizer step: {term: bytes, ..., "phase_<name>": totals, "peak": the largest phase}.
+
+    config: a transformers PretrainedConfig (Llama, Qwen2); args: a grpo_multistep.GRPOConfig. lora_params:
+    the adapter's parameter count (lora_param_count), None: a full fine-tune. base_dtype: the frozen base
+    weights' dtype with LoRA (trainable weights are float32: the trainer refuses 16-bit ones). baseline: the
+    process's bytes before the model (CPU: the RSS of the imports, measured; CUDA: the context's).
+    first_step: AdamW's moments are allocated in the first step's optimizer phase (what a max_steps=1 run
+    sees); later steps hold them throughout. device "cpu" adds `retention`. prompt_length: max_prompt_length
+    unless given."""
+    H, I, L, V, heads, kv, d = dims(config)
+    P, C = prompt_length or args.max_prompt_length, args.max_completion_length
+    b = args.per_device_train_batch_size
+    f32, n_params, tied = 4, param_count(config), config.tie_word_embeddings
+    base = torch.empty((), dtype=base_dtype).element_size() if lora_params else f32
+    trainable = lora_params or n_params
+    element = 2 if args.bf16 else f32  # under bf16 autocast the linears' outputs (and saved inputs) are bf16
+    c, chunks, E = min(CHUNK, b * C), math.ceil(b * C / CHUNK), V * H * f32  # E: an embedding's gradient
+    activations, prompt_pass = activation_bytes(config, args, element, P)
+    t = {"baseline": baseline,
+         "weights": n_params * base + (lora_params or 0) * f32,
+         "gradients": trainable * f32,
+         "adam_moments": 2 * trainable * f32,  # exp_avg, exp_avg_sq
+         # π_ref: a frozen deepcopy of the policy when beta > 0; a PeftModel is its own, its adapter disabled
+         "reference": n_params * f32 if args.beta > 0 and not lora_params else 0,
+         # bf16 autocast over float32 weights casts each linear's weight once per forward (its cache), and
+         # autograd saves the copies until backward
+         "autocast_copies": 2 * linear_param_count(config) if args.bf16 and base == f32 else 0,
+         "activations": activations,
+         # TokenLogps forward: the chunk's float32 logits z and logsumexp's exp(z - max), (c, V) each
+         "lm_head_forward": c * V * (2 * f32 + 2 * args.bf16),
+         # backward: z again, made the gradient in place; a trainable head (not with LoRA): the chunk's (V, H)
+         # weight gradient and, past one chunk, autograd's input buffer that sums the chunks' before .grad
+         "lm_head_backward": c * V * f32 + (c * H * f32 if lora_params else E * (1 + (chunks > 1)))}
+    # Prompt sharing: each weight serves the prompt pass and the completion pass, so autograd keeps its
+    # gradient from the completion pass in an input buffer until the prompt pass's backward adds its own:
+    # a copy of the layers' gradients. The peak is at the completion pass's embedding backward: those, the
+    # prompt pass's activations, the embedding's new dense (V, H) gradient and, tied, the head's gradient,
+    # buffered as it waits for the embedding's (measured: docs/memory-model.md). Checkpointing: one pass, only
+    # the embeddings' two.
+    layers = (lora_params or n_params - V * H * (2 - tied)) * f32  # trainable weights but the embeddings
+    embeddings = 0 if lora_params else E * (1 + tied)
+    t["pending_gradients"] = embeddings + (0 if args.gradient_checkpointing else layers)
+    seqs = (args.steps_per_generation or args.gradient_accumulation_steps) * b  # B·G of a generation batch
+    # KV cache: K and V of every layer, kv heads, P + C positions (autocast: bf16); then the last position's
+    # logits (float32) and sample_token's float64 probabilities and their cumulative sum
+    t["kv_cache"] = L * 2 * seqs * kv * d * (P + C) * element
+    t["generation_logits"] = seqs * V * (f32 + 8 + 8)
+    # torchrun: all_reduce_gradients torch.cat()s every gradient into one flat float32 buffer
+    t["all_reduce"] = trainable * f32 if world_size > 1 else 0
+    # CPU: glibc keeps freed blocks under its 32 MiB mmap threshold in its heap. A micro-batch's activations
+    # are such blocks, freed while longer-lived ones (gradients; with checkpointing, the layers' inputs) are
+    # allocated among them, and later allocations do not refill all the holes. Measured: about as much stays
+    # resident as the micro-batch's activations without checkpointing (0.4 to 1.4 times; docs/memory-model.md)
+    uncheckpointed = activation_bytes(config, args, element, P, checkpointing=False)[0]
+    t["retention"] = uncheckpointed if device == "cpu" else 0
+    moments = 0 if first_step else t["adam_moments"]
+    static = t["baseline"] + t["weights"] + t["reference"] + moments
+    grads = t["gradients"] if args.gradient_accumulation_steps > 1 else 0  # from the 2nd micro-batch on
+    extra = t["retention"] + t["autocast_copies"]  # (autocast's copies: in forward and backward only)
+    backward = max(activations + t["lm_head_backward"], prompt_pass + t["pending_gradients"])
+    phases = {"generate": static + t["kv_cache"] + t["generation_logits"],
+              "forward": static + grads + extra + activations + t["lm_head_forward"],
+              "backward": static + t["gradients"] + extra + backward,
+              "all_reduce": static + t["gradients"] + t["all_reduce"] + t["retention"],
+              "optimizer": static + t["gradients"] + t["adam_moments"] - moments + t["retention"]}
+    return {**t, **{f"phase_{k}": v for k, v in phases.items()}, "peak": max(phases.values())}
