@@ -3,7 +3,7 @@
     nice -n 10 python experiments/measure_memory.py MODEL SHAPES [--steps N] [--gradient_checkpointing]
 
 MODEL: qwen2.5-0.5b (Qwen2.5-0.5B's published config) or smollm2-135m (the config of the converted
-SmolLM2-135M-Instruct in ~/.cache/grpo_multistep); SHAPES: a train_tldr.py preset's shapes, pr2899 or cpu.
+SmolLM2-135M-Instruct, train_tldr.py's, in ~/.cache/grpo_multistep or $GRPO_MULTISTEP_CACHE); SHAPES: a train_tldr.py preset's shapes, pr2899 or cpu.
 Each measurement is a fresh process (`measure`): it imports, builds a word-level tokenizer and the prompts,
 reads its RSS (the baseline: everything but the model), builds the model from the config with random
 weights (nothing is downloaded), trains N optimizer steps (save_steps large: the final save only, into a
@@ -17,7 +17,6 @@ import contextlib, functools, json, os, random, resource, subprocess, sys, tempf
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, ".."))  # the repository's root
-SMOLLM2 = os.path.expanduser("~/.cache/grpo_multistep/SmolLM2-135M-Instruct")
 QWEN25_05B = dict(model_type="qwen2", hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
                   num_attention_heads=14, num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True,
                   max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6)
@@ -29,7 +28,8 @@ GIB = 2**30
 def model_config(name):  # a dict that transformers.AutoConfig.for_model takes
     if name == "qwen2.5-0.5b":
         return dict(QWEN25_05B)
-    with open(os.path.join(SMOLLM2, "config.json")) as f:
+    import train_tldr
+    with open(os.path.join(train_tldr.smollm2_folder(), "config.json")) as f:  # converted once, if need be
         config = json.load(f)
     keep = ("model_type hidden_size intermediate_size num_hidden_layers num_attention_heads "
             "num_key_value_heads head_dim vocab_size tie_word_embeddings max_position_embeddings "
@@ -133,7 +133,8 @@ def child(spec):
         trainer.train()
     time.sleep(0.01)
     peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
-    print(json.dumps({"baseline": baseline, "peak": peak_rss, "phases": peak, "live": live,
+    cuda = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None  # (the trainer's device)
+    print(json.dumps({"baseline": baseline, "peak": peak_rss, "phases": peak, "live": live, "cuda_peak": cuda,
                       "baseline_live": baseline_live, "params": params,
                       "seconds": time.perf_counter() - start, "torch": torch.__version__}))
 
@@ -173,6 +174,12 @@ def main(argv):
     print(f"measured peak RSS {result['peak'] / GIB:.2f} GiB (baseline {result['baseline'] / GIB:.2f}); "
           f"estimate {estimate['peak'] / GIB:.2f} GiB: {error:+.1%}; without the retention term "
           f"{live['peak'] / GIB:.2f} GiB: {live['peak'] / result['peak'] - 1:+.1%}")
+    if result.get("cuda_peak") is not None:  # on a GPU: what torch allocated there, beside the CUDA estimate
+        on_cuda = estimate_step_memory(model_config_, grpo_config, first_step=opts.steps == 1, device="cuda")
+        estimate = on_cuda  # (RSS then holds the host's copies, not the step's tensors)
+        print(f"measured torch.cuda.max_memory_allocated {result['cuda_peak'] / GIB:.2f} GiB; estimate "
+              f"{on_cuda['peak'] / GIB:.2f} GiB (no context, no allocator slack): "
+              f"{on_cuda['peak'] / result['cuda_peak'] - 1:+.1%}")
     print(json.dumps({"measured": result, "estimate": estimate}))
 
 

@@ -403,7 +403,8 @@ def test_the_gpu_sweep_script_runs_end_to_end_on_the_cpu(tiny, tmp_path):
     env = {**os.environ, "MODEL_DIR": tiny["model"], "STEPS": "2", "GIT_COMMIT": "abc1234",
            "WHEELS": str(tmp_path / "no-wheels"),  # this machine has its packages (and Python 3.11)
            "PATH": f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}",  # run.sh's python3: this one
-           "OMP_NUM_THREADS": "1"}  # a tiny model gains nothing from a second thread
+           "OMP_NUM_THREADS": "1",  # a tiny model gains nothing from a second thread
+           "MEMORY_RUNS": ""}  # no 0.5B memory step: minutes and 10 GiB on a CPU (test_memory_model.py's part)
     env.pop("MEMORY_BANDWIDTH", None)
     small = ["--dataset", tiny["data"], "--num_generations", "4", "--per_device_train_batch_size", "4",
              "--gradient_accumulation_steps", "1", "--max_completion_length", "8"]

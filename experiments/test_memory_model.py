@@ -32,13 +32,16 @@ def build(config):  # a model on the meta device: its parameters' shapes, no mem
         return transformers.AutoModelForCausalLM.from_config(config)
 
 
-@pytest.mark.parametrize("config", [
-    measure_memory.QWEN25_05B, measure_memory.model_config("smollm2-135m"),
-    {**SMALL, "tie_word_embeddings": False, "attention_bias": True, "mlp_bias": True},
-    {**SMALL, "model_type": "qwen2", "tie_word_embeddings": False}],
-    ids=["qwen2.5-0.5b", "smollm2-135m", "llama-untied-biases", "qwen2-untied"])
-def test_parameter_count_is_the_models_own(config):
-    config = transformers.AutoConfig.for_model(**config)
+CONFIGS = {"qwen2.5-0.5b": lambda: measure_memory.QWEN25_05B,
+           "smollm2-135m": lambda: measure_memory.model_config("smollm2-135m"),  # (converted once, at need)
+           "llama-untied-biases": lambda: {**SMALL, "tie_word_embeddings": False, "attention_bias": True,
+                                           "mlp_bias": True},
+           "qwen2-untied": lambda: {**SMALL, "model_type": "qwen2", "tie_word_embeddings": False}}
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_parameter_count_is_the_models_own(name):
+    config = transformers.AutoConfig.for_model(**CONFIGS[name]())
     assert param_count(config) == sum(p.numel() for p in build(config).parameters())  # tied: counted once
 
 
@@ -113,3 +116,18 @@ def test_estimate_matches_the_peak_rss_of_one_step():
     assert estimate["peak"] == pytest.approx(result["peak"], rel=0.15), (estimate, result)
     assert estimate["peak"] - result["baseline"] == pytest.approx(step, rel=0.20), (estimate, result)
     assert math.isfinite(result["seconds"])
+
+
+def test_on_a_gpu_the_report_puts_the_cuda_estimate_beside_max_memory_allocated(monkeypatch, capsys):
+    """run.sh's memory lines on a GPU: the child's torch.cuda.max_memory_allocated beside the estimate for
+    device="cuda" (no glibc retention, no baseline). The measurement is faked: no GPU here."""
+    fake = {"baseline": 0.4 * 2**30, "peak": 3 * 2**30, "phases": {}, "live": {}, "baseline_live": 0,
+            "params": 1, "seconds": 1.0, "torch": torch.__version__, "cuda_peak": 10 * 2**30}
+    monkeypatch.setattr(measure_memory, "measure", lambda *args, **kwargs: fake)
+    measure_memory.main(["qwen2.5-0.5b", "pr2899"])
+    out = capsys.readouterr().out
+    config = transformers.AutoConfig.for_model(**measure_memory.QWEN25_05B)
+    cuda = estimate_step_memory(config, gm.GRPOConfig(**measure_memory.shapes("pr2899")), first_step=True,
+                                device="cuda")
+    assert f"max_memory_allocated 10.00 GiB; estimate {cuda['peak'] / 2**30:.2f} GiB" in out
+    assert cuda["retention"] == 0 and cuda["baseline"] == 0

@@ -11,7 +11,7 @@
 # Environment: STEPS optimizer steps per benchmark configuration (8), WHEELS a folder of wheels to
 # install first (.whl, where it exists), GGUF_PARTS the folder of the GGUF file's pieces (.gguf),
 # MODEL_DIR a model folder to train instead of SmolLM2 (no GGUF then), MEMORY_BANDWIDTH in bytes/s,
-# GIT_COMMIT (where the copy has no .git).
+# MEMORY_RUNS (below), GIT_COMMIT (where the copy has no .git).
 set -euo pipefail
 export PYTHONUNBUFFERED=1
 here=$(cd "$(dirname "$0")" && pwd)
@@ -57,4 +57,13 @@ echo "== ${bench[*]}"
 cp "$(find "$work/runs"* -name benchmark.md | head -n 1)" "$out"
 echo "== python3 docs/gpu-sweep/decode.py $out ${flags[*]}"
 python3 docs/gpu-sweep/decode.py "$out" "${flags[@]}"
+# docs/memory-model.md's predictions for the pr2899 preset, beside torch.cuda.max_memory_allocated: one step
+# of Qwen2.5-0.5B's config with random weights (nothing downloaded), and SmolLM2-135M's at the cpu shapes
+# (MEMORY_RUNS: ';'-separated measure_memory.py arguments; empty: none, as the CPU test of this script sets)
+default="qwen2.5-0.5b pr2899;qwen2.5-0.5b pr2899 --gradient_checkpointing;smollm2-135m cpu"
+IFS=';' read -ra runs <<<"${MEMORY_RUNS-$default}"
+for run in "${runs[@]}"; do
+  echo "== python3 experiments/measure_memory.py $run"
+  python3 experiments/measure_memory.py $run | tee -a "$out/memory.txt"
+done
 echo "== written to $out:" $(ls "$out")
