@@ -7,7 +7,7 @@ SmolLM2-135M-Instruct, train_tldr.py's, in ~/.cache/grpo_multistep or $GRPO_MULT
 Each measurement is a fresh process (`measure`): it imports, builds a word-level tokenizer and the prompts,
 reads its RSS (the baseline: everything but the model), builds the model from the config with random
 weights (nothing is downloaded), trains N optimizer steps (save_steps large: the final save only, into a
-temporary output_dir) and reports its peak RSS (ru_maxrss) and, from a thread that reads /proc/self/statm
+temporary output_dir) and reports its peak RSS (VmHWM) and, from a thread that reads /proc/self/statm
 every 2 ms, the highest RSS of each phase and (glibc) of the bytes that malloc has handed out and not had
 back ("live": mallinfo2's in-use heap plus mmapped blocks; RSS minus live is what the allocator keeps).
 Random weights rarely sample EOS: completions run to max_completion_length, the worst case; prompts are
@@ -132,7 +132,10 @@ def child(spec):
         phase[0] = "between"
         trainer.train()
     time.sleep(0.01)
-    peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+    # VmHWM, this address space's peak: ru_maxrss survives exec, so a child would report its parent's RSS
+    # at the fork where that was higher (a test process that had converted SmolLM2: 1.3 GiB)
+    with open("/proc/self/status") as f:
+        peak_rss = next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) * 1024  # kB
     cuda = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None  # (the trainer's device)
     print(json.dumps({"baseline": baseline, "peak": peak_rss, "phases": peak, "live": live, "cuda_peak": cuda,
                       "baseline_live": baseline_live, "params": params,

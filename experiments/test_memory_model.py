@@ -1,7 +1,7 @@
 """Tests of experiments/memory_model.py: known answers (parameter counts against the models themselves, the
 saved activations against autograd's own count, the terms that a switch adds or removes) and one optimizer
-step of a small random model in a fresh process, its peak RSS against the estimate. About 25 s on 2 cores
-(the step's process: 18 s of it)."""
+step of a small random model in a fresh process, its peak RSS against the estimate. About 30 s on 2 cores
+(the steps' processes: 25 s of it)."""
 import math
 import os
 import sys
@@ -103,27 +103,36 @@ def test_switches_add_and_remove_their_terms():
 
 def test_estimate_matches_the_peak_rss_of_one_step():
     """One optimizer step of a 16.5M-parameter Llama in a fresh process: its peak RSS against the estimate
-    with the process's own baseline (its RSS before the model is built). glibc's mmap threshold is fixed at
-    128 KiB (MALLOC_MMAP_THRESHOLD_), so that freed blocks go back to the system: with glibc's default the
-    RSS also holds what the allocator kept (the model's fitted `retention` term), which moved this model's
-    peak between 0.95 and 1.26 GiB from run to run (a fresh clone's CI run: 1.26), too noisy to test
-    against. Measured so: 0.91 GiB in each of three runs, the estimate without retention 4.5 % under. Tolerances:
-    15 % of the peak, 20 % of what the step adds to the baseline, and 10 % for malloc's own count of the
-    bytes in use (mallinfo2), which does not depend on the allocator's keeping."""
+    with the process's own baseline (its RSS before the model is built). Tolerances: 15 % of the peak, and
+    20 % of what the step adds to the baseline (the part that the model predicts rather than measures; its
+    glibc retention term, 134 MB of 620, is fitted to within ±40 %, runs vary by 3 %: measured −3 %, −8 %);
+    and 10 % for malloc's own count of the bytes in use (mallinfo2), which the allocator's keeping of freed
+    blocks does not move."""
     args = dict(SHAPE, learning_rate=1e-6)
-    result = measure_memory.measure(SMALL, args, steps=1, timeout=300,
-                                    env={"OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": "131072"})
-    estimate = estimate_step_memory(transformers.AutoConfig.for_model(**SMALL), grpo_config(),
-                                    baseline=result["baseline"], first_step=True, device="none")  # no retention
-    assert result["params"] == param_count(transformers.AutoConfig.for_model(**SMALL))
+    result = measure_memory.measure(SMALL, args, steps=1, timeout=300, env={"OMP_NUM_THREADS": "1"})
+    config = transformers.AutoConfig.for_model(**SMALL)
+    estimate = estimate_step_memory(config, grpo_config(), baseline=result["baseline"], first_step=True)
+    assert result["params"] == param_count(config)
     step = result["peak"] - result["baseline"]
     assert step > result["baseline"] / 2, "the model too small to test anything but the baseline"
     assert estimate["peak"] == pytest.approx(result["peak"], rel=0.15), (estimate, result)
     assert estimate["peak"] - result["baseline"] == pytest.approx(step, rel=0.20), (estimate, result)
-    if result["live"]:  # glibc: the bytes malloc has handed out, against the estimate less the baseline's rest
-        live = estimate["peak"] - result["baseline"] + result["baseline_live"]
-        assert live == pytest.approx(max(result["live"].values()), rel=0.10), (estimate, result)
+    if result["live"]:  # glibc: the bytes malloc handed out, against the estimate without retention
+        kept = estimate_step_memory(config, grpo_config(), baseline=result["baseline"], first_step=True,
+                                    device="none")["peak"] - result["baseline"] + result["baseline_live"]
+        assert kept == pytest.approx(max(result["live"].values()), rel=0.10), (estimate, result)
     assert math.isfinite(result["seconds"])
+
+
+def test_the_peak_is_the_childs_own_not_its_parents():
+    """ru_maxrss survives exec: a measuring child of a large process would report the parent's RSS."""
+    ballast = bytearray(1536 * 2**20)  # 1.5 GiB in the parent, touched: above the child's tiny step
+    ballast[::4096] = b"x" * len(ballast[::4096])
+    result = measure_memory.measure(SMALL, dict(SHAPE, learning_rate=1e-6, max_completion_length=8,
+                                                per_device_train_batch_size=8, gradient_accumulation_steps=1),
+                                    steps=1, timeout=300, env={"OMP_NUM_THREADS": "1"})
+    del ballast
+    assert result["peak"] < 1.2 * 2**30, result["peak"]  # its own: about 0.8 GiB
 
 
 def test_on_a_gpu_the_report_puts_the_cuda_estimate_beside_max_memory_allocated(monkeypatch, capsys):
