@@ -3,7 +3,8 @@
     nice -n 10 python experiments/measure_memory.py MODEL SHAPES [--steps N] [--gradient_checkpointing]
 
 MODEL: qwen2.5-0.5b (Qwen2.5-0.5B's published config) or smollm2-135m (the config of the converted
-SmolLM2-135M-Instruct, train_tldr.py's, in ~/.cache/grpo_multistep or $GRPO_MULTISTEP_CACHE); SHAPES: a train_tldr.py preset's shapes, pr2899 or cpu.
+SmolLM2-135M-Instruct, train_tldr.py's, in ~/.cache/grpo_multistep or $GRPO_MULTISTEP_CACHE); SHAPES: a
+train_tldr.py preset's shapes, pr2899 or cpu.
 Each measurement is a fresh process (`measure`): it imports, builds a word-level tokenizer and the prompts,
 reads its RSS (the baseline: everything but the model), builds the model from the config with random
 weights (nothing is downloaded), trains N optimizer steps (save_steps large: the final save only, into a
