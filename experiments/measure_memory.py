@@ -14,7 +14,7 @@ back ("live": mallinfo2's in-use heap plus mmapped blocks; RSS minus live is wha
 Random weights rarely sample EOS: completions run to max_completion_length, the worst case; prompts are
 longer than max_prompt_length, so they are cut to it.
 """
-import contextlib, functools, json, os, random, resource, subprocess, sys, tempfile, threading, time
+import contextlib, functools, json, os, random, subprocess, sys, tempfile, threading, time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, ".."))  # the repository's root
@@ -72,6 +72,25 @@ def rss():
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+def in_phase(phase, owner, name, label, on_end=None):
+    """Wrap owner.name so that its calls set phase[0] to `label` (a call inside another phase keeps that one)
+    for a sampling thread to read; on_end(label) runs as such a call ends (docs/cpu-benchmark/memory.py's)."""
+    f = getattr(owner, name)
+
+    @functools.wraps(f)
+    def wrapped(*args, **kwargs):
+        outer = phase[0]
+        phase[0] = label if outer == "between" else outer
+        try:
+            return f(*args, **kwargs)
+        finally:
+            time.sleep(0.005)  # let the sampler see the phase's end
+            if on_end is not None and phase[0] == label:
+                on_end(label)
+            phase[0] = outer
+    setattr(owner, name, wrapped)
+
+
 def child(spec):
     import warnings
     import torch, transformers
@@ -100,23 +119,10 @@ def child(spec):
                 live[label] = max(live.get(label, 0), m.uordblks + m.hblkhd)
             time.sleep(0.002)
 
-    def in_phase(owner, name, label):  # owner.name's calls count as `label` (inside another phase: that one)
-        f = getattr(owner, name)
-
-        @functools.wraps(f)
-        def wrapped(*args, **kwargs):
-            outer = phase[0]
-            phase[0] = label if outer == "between" else outer
-            try:
-                return f(*args, **kwargs)
-            finally:
-                time.sleep(0.005)  # let the sampler see the phase's end
-                phase[0] = outer
-        setattr(owner, name, wrapped)
     for owner, name, label in [(gm, "generate_completions", "generate"), (gm, "cached_logps", "logps"),
                                (gm, "per_token_logps", "forward"), (torch.Tensor, "backward", "backward"),
                                (torch.optim.AdamW, "step", "optimizer"), (gm, "save_checkpoint", "save")]:
-        in_phase(owner, name, label)
+        in_phase(phase, owner, name, label)
     baseline, m = rss(), in_use and in_use()
     baseline_live = m and m.uordblks + m.hblkhd
     threading.Thread(target=sample, daemon=True).start()

@@ -14,7 +14,6 @@ completions ending at EOS) for STEPS optimizer steps (default
   the C library is glibc.
 It prints one line per step, then the floor that no activation is part of: the imports' RSS before
 the model is loaded, and the bytes of weights, gradients and AdamW's two moments."""
-import ctypes
 import functools
 import os
 import sys
@@ -27,16 +26,11 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import grpo_multistep  # noqa: E402
 import train_tldr  # noqa: E402
 from experiments import benchmark  # noqa: E402
+from experiments.measure_memory import in_phase, mallinfo, rss  # noqa: E402
 
 GIB = 2**30
-PAGE = os.sysconf("SC_PAGE_SIZE")
 phase = ["between"]
 peak, heap_free, saved, weight_bytes = {}, {}, [], [0]
-
-
-def rss():
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * PAGE
 
 
 def sample():  # the highest RSS seen in each phase
@@ -46,33 +40,11 @@ def sample():  # the highest RSS seen in each phase
         time.sleep(0.002)
 
 
-try:
-    libc = ctypes.CDLL("libc.so.6")
-
-    class Mallinfo2(ctypes.Structure):
-        _fields_ = [(n, ctypes.c_size_t) for n in
-                    "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()]
-    libc.mallinfo2.restype = Mallinfo2
-except (OSError, AttributeError):  # not glibc (or older than 2.33): no heap figure
-    libc = None
+mallinfo2 = mallinfo()  # glibc's (2.33+), else None: no heap figure
 
 
-def in_phase(owner, name, label):
-    """Wrap owner.name so that its calls count as `label` (a call inside another phase keeps that one)."""
-    f = getattr(owner, name)
-
-    @functools.wraps(f)
-    def wrapped(*args, **kwargs):
-        outer = phase[0]
-        phase[0] = label if outer == "between" else outer
-        try:
-            return f(*args, **kwargs)
-        finally:
-            time.sleep(0.005)  # let the sampler see the end of the phase
-            if libc is not None and phase[0] == label:
-                heap_free[label] = max(heap_free.get(label, 0), libc.mallinfo2().fordblks)
-            phase[0] = outer
-    setattr(owner, name, wrapped)
+def record_heap_free(label):  # at the end of a phase: what glibc holds free in its heap
+    heap_free[label] = max(heap_free.get(label, 0), mallinfo2().fordblks)
 
 
 def count_saved(f):
@@ -113,11 +85,12 @@ def main(argv):
     flags = argv[1:] if argv and argv[0].isdigit() else argv
     print(f"RSS of the imports, before the model: {rss() / GIB:.2f} GiB")
     grpo_multistep.per_token_logps = count_saved(grpo_multistep.per_token_logps)
-    in_phase(grpo_multistep, "generate_completions", "generate")
-    in_phase(grpo_multistep, "cached_logps", "logps")
-    in_phase(grpo_multistep, "per_token_logps", "forward")
-    in_phase(torch.Tensor, "backward", "backward")
-    in_phase(torch.optim.AdamW, "step", "optimizer")
+    on_end = record_heap_free if mallinfo2 else None
+    gm = grpo_multistep
+    for owner, name, label in [(gm, "generate_completions", "generate"), (gm, "cached_logps", "logps"),
+                               (gm, "per_token_logps", "forward"), (torch.Tensor, "backward", "backward"),
+                               (torch.optim.AdamW, "step", "optimizer")]:
+        in_phase(phase, owner, name, label, on_end)
     threading.Thread(target=sample, daemon=True).start()
     run = {"num_iterations": 1, "beta": 0.0, "logging_steps": 1, "max_steps": steps,
            "output_dir": "/tmp/grpo-memory"}
