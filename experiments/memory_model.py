@@ -14,6 +14,7 @@ backward, attention masks, cos/sin, prompts and metrics (kilobytes to a few MB),
 slack, kernels' workspaces. Prompts are max_prompt_length long, completions max_completion_length (no EOS):
 the worst case, the one that random weights produce.
 """
+import importlib.util
 import math
 
 import torch
@@ -147,3 +148,86 @@ def estimate_step_memory(config, args, world_size=1, lora_params=None, base_dtyp
               "all_reduce": static + t["gradients"] + t["all_reduce"] + t["retention"],
               "optimizer": static + t["gradients"] + t["adam_moments"] - moments + t["retention"]}
     return {**t, **{f"phase_{k}": v for k, v in phases.items()}, "peak": max(phases.values())}
+
+
+
+# ---- The demo on a GPU: what fits its free memory, chosen before anything loads (train_tldr.py) ----------
+SPARE, GIB = 1.1, 2**30  # SPARE, an assumption: PyTorch's caching allocator reserves more than it allocates
+
+
+def cuda_free_bytes():  # the GPU's free memory, its CUDA context already taken: the one place that reads it
+    return torch.cuda.mem_get_info()[0]
+
+
+def cuda_peak(config, args, lora_rank, world_size):  # a step after the first (AdamW's moments held)
+    kwargs = args.model_init_kwargs or {}
+    dtype = kwargs.get("dtype", kwargs.get("torch_dtype", "float32"))  # (torch_dtype: the older name)
+    dtype = getattr(torch, dtype, torch.float32) if isinstance(dtype, str) else dtype  # "auto": as float32
+    lora_params = lora_param_count(config, lora_rank) if lora_rank else None
+    return estimate_step_memory(config, args, world_size, lora_params, dtype, device="cuda")["peak"]
+
+
+def fit_gpu(args, lora_rank, model, world_size=1, free=None):
+    """(args, lora_rank): the first of these whose estimated peak, with SPARE to spare, fits the GPU's free
+    memory: the run as given; with gradient checkpointing (the same updates, more time); a LoRA adapter of
+    rank 16 (train_tldr.py's --lora) on bfloat16 base weights under bf16 autocast; that with checkpointing.
+    None fits: SystemExit, naming what to set. model: a folder or hub id (only its config is read), or a
+    config. free: bytes (None: cuda_free_bytes()). --lora given: that adapter, with checkpointing if need
+    be. Under torchrun (world_size > 1) the run is checked, never changed: each rank reads its own GPU, and
+    ranks that chose differently would train different models."""
+    import dataclasses
+    import transformers
+    replace, kwargs = dataclasses.replace, args.model_init_kwargs or {}
+    remote = bool(kwargs.get("trust_remote_code"))  # as the trainer will load it
+    config = model if isinstance(model, transformers.PretrainedConfig) else \
+        transformers.AutoConfig.from_pretrained(model, trust_remote_code=remote)
+    lora = replace(args, bf16=True, model_init_kwargs={**kwargs, "dtype": "bfloat16"})
+    options = [("as given", args, lora_rank)]
+    if not args.gradient_checkpointing:
+        options.append(("with gradient checkpointing", replace(args, gradient_checkpointing=True), lora_rank))
+    if lora_rank is None and importlib.util.find_spec("peft"):  # (else the refusal says to install it)
+        options += [("LoRA (rank 16) on bfloat16 weights", lora, 16), ("LoRA (rank 16) on bfloat16 weights "
+                    "with gradient checkpointing", replace(lora, gradient_checkpointing=True), 16)]
+    options = options[:1] if world_size > 1 else options
+    try:
+        peaks = [cuda_peak(config, option, rank, world_size) for _, option, rank in options]
+    except AttributeError as e:  # a config whose sizes have other names (GPT-2's n_inner): no estimate
+        print(f"GPU: no memory estimate for a {config.model_type} model ({e}): running as given")
+        return args, lora_rank
+    free = cuda_free_bytes() if free is None else free
+    needs = ", ".join(f"{name} {peak / GIB:.1f} GiB" for (name, _, _), peak in zip(options, peaks))
+    for (name, option, rank), peak in zip(options, peaks):
+        if peak * SPARE <= free:
+            print(f"GPU: {free / GIB:.1f} GiB free; a step's estimated peak (experiments/memory_model.py, "
+                  f"not measured on a GPU): {needs}; running {name}", flush=True)
+            return option, rank
+    hint = "; under torchrun nothing is changed for you: add --gradient_checkpointing True or --lora"
+    raise SystemExit(f"error: the GPU has {free / GIB:.1f} GiB free, and no way of running this fits "
+                     f"with {SPARE - 1:.0%} to spare (a step's estimated peak: {needs}): lower "
+                     "--per_device_train_batch_size (more --gradient_accumulation_steps keep the step's "
+                     f"size) or --max_completion_length, or choose a smaller --model"
+                     + (hint if world_size > 1 else "" if lora_rank or importlib.util.find_spec("peft") else
+                        "; with peft installed (pip install peft), LoRA is tried too"))
+
+
+def fit_demo(args, opts):  # train_tldr.py's: its --model, --lora and torchrun's world size
+    import train_tldr
+    return fit_gpu(args, opts.lora, train_tldr.resolve_model(opts.model), train_tldr.WORLD_SIZE)
+
+
+if __name__ == "__main__":  # python experiments/memory_model.py [FREE_GIB ...]: the demo's choice for pr2899
+    import os, sys
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # the repository
+    import transformers
+    import train_tldr
+    from experiments.measure_memory import QWEN25_05B
+    config, opts = train_tldr.parse_args(["--preset", "pr2899"])
+    if not sys.argv[1:] and not torch.cuda.is_available():
+        print("no GPU here: give free memory figures in GiB")
+    for gib in sys.argv[1:] or ([None] if torch.cuda.is_available() else []):  # none: this GPU's free memory
+        print(f"{gib} GiB free:" if gib else "this GPU:", end=" ")
+        try:
+            qwen = transformers.AutoConfig.for_model(**QWEN25_05B)
+            fit_gpu(config, None, qwen, free=gib and float(gib) * GIB)
+        except SystemExit as e:
+            print(e)

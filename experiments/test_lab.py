@@ -404,7 +404,8 @@ def test_the_gpu_sweep_script_runs_end_to_end_on_the_cpu(tiny, tmp_path):
            "WHEELS": str(tmp_path / "no-wheels"),  # this machine has its packages (and Python 3.11)
            "PATH": f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}",  # run.sh's python3: this one
            "OMP_NUM_THREADS": "1",  # a tiny model gains nothing from a second thread
-           "MEMORY_RUNS": ""}  # no 0.5B memory step: minutes and 10 GiB on a CPU (test_memory_model.py's part)
+           # no 0.5B memory step: minutes and 10 GiB on a CPU (test_memory_model.py's part)
+           "MEMORY_RUNS": ""}
     env.pop("MEMORY_BANDWIDTH", None)
     small = ["--dataset", tiny["data"], "--num_generations", "4", "--per_device_train_batch_size", "4",
              "--gradient_accumulation_steps", "1", "--max_completion_length", "8"]
@@ -412,7 +413,8 @@ def test_the_gpu_sweep_script_runs_end_to_end_on_the_cpu(tiny, tmp_path):
     result = subprocess.run(["bash", script, str(out), *small], env=env, capture_output=True, text=True,
                             timeout=900)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert sorted(os.listdir(out)) == ["benchmark.md", "decode.json", "decode.md", "log.txt"]
+    assert sorted(os.listdir(out)) == ["benchmark.md", "decode.json", "decode.md", "log.txt", "memory.txt"]
+    assert open(out / "memory.txt").read().startswith("no GPU here")  # the demo's choice: on a GPU only
     benchmark = open(out / "benchmark.md").read()
     assert "g = " in benchmark and "r_4 = " in benchmark and "w*" in benchmark
 

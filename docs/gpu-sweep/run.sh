@@ -66,4 +66,6 @@ for run in "${runs[@]}"; do
   echo "== python3 experiments/measure_memory.py $run"
   python3 experiments/measure_memory.py $run | tee -a "$out/memory.txt"
 done
+echo "== python3 experiments/memory_model.py (what the demo would run at the pr2899 shapes on this GPU)"
+python3 experiments/memory_model.py | tee -a "$out/memory.txt"
 echo "== written to $out:" $(ls "$out")
