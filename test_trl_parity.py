@@ -4,8 +4,8 @@ docs/trl_parity/make_golden.py ran TRL, as the oracle, on a tiny Llama saved in 
 prompts, completions and rewards, in 72 configurations (the four loss types, β and the KL's ratio weighting,
 ε_high, μ, one or two unequal micro-batches, the temperature, steps_per_generation, scale_rewards, GSPO's
 sequence-level ratio, the masking of truncated completions) and an end-to-end run, and wrote what TRL
-computed into golden.json. Each test replays that with grpo_multistep.py on the same weights and compares. TRL is not needed: its numbers are in the file (the README there tells how to
-make it again).
+computed into golden.json. Each test replays that with grpo_multistep.py on the same weights and compares.
+TRL is not needed: its numbers are in the file (the README there tells how to make it again).
 
 Tolerance: 1e-5 of each quantity's scale (for a gradient entry, its tensor's norm). The two sides round in a
 different order (TRL's fused LM head, this project's chunked one and its prompt sharing, positions shifted by

@@ -43,12 +43,15 @@ class Clock(TrainerCallback):  # one time stamp at the start and after each opti
         stamps.append(time.perf_counter())
 
 
-args = GRPOConfig(output_dir="/tmp/trl-reference", per_device_train_batch_size=8, gradient_accumulation_steps=4,
-                  num_generations=8, max_completion_length=64, max_steps=steps, learning_rate=2e-5, beta=0.0,
-                  loss_type="grpo", logging_steps=1, save_strategy="no", report_to="none", use_cpu=True,
-                  bf16=False, gradient_checkpointing=False)  # TRL 1.16 defaults both to True; the comparison is float32
+args = GRPOConfig(output_dir="/tmp/trl-reference", per_device_train_batch_size=8,
+                  gradient_accumulation_steps=4, num_generations=8, max_completion_length=64, max_steps=steps,
+                  learning_rate=2e-5, beta=0.0, loss_type="grpo", logging_steps=1, save_strategy="no",
+                  report_to="none", use_cpu=True,
+                  # TRL 1.16 defaults both to True; the comparison is float32
+                  bf16=False, gradient_checkpointing=False)
 trainer = GRPOTrainer(model=model, reward_funcs=reward_len, args=args, callbacks=[Clock()],
-                      train_dataset=load_dataset("json", data_files=prompts, split="train").map(last_64_tokens))
+                      train_dataset=load_dataset("json", data_files=prompts,
+                                                 split="train").map(last_64_tokens))
 trainer.train()
 seconds = [b - a for a, b in zip(stamps, stamps[1:])]
 print(json.dumps({"seconds_per_step": seconds, "median": statistics.median(seconds),

@@ -9,9 +9,9 @@ is a k-step run), β = 0. Arms: μ = num_iterations ∈ {1, 2, 4}, and steps_per
 gradient_accumulation_steps (S = 4) at μ = 1. A budget of B completions buys B/8 steps at μ = 1 and at S = 4,
 μ·B/8 at μ > 1; each run is scored on the held-out posts at the step where it has spent each budget.
 
-    python experiments/fixed_budget.py tune --worker 0 &   # one per core (taskset -c 0 / 1, OMP_NUM_THREADS=1)
+    python experiments/fixed_budget.py tune --worker 0 &  # one per core (taskset -c 0 / 1, OMP_NUM_THREADS=1)
     python experiments/fixed_budget.py tune --worker 1 &
-    python experiments/fixed_budget.py report              # table.md, summary.json, rewards.png
+    python experiments/fixed_budget.py report             # table.md, summary.json, rewards.png
 
 `tune` runs phase 1 (seeds 42-47, every arm on its grid) and then, once plan.md is in the folder, phase 2
 for each arm whose tuning is over: fresh seeds, each budget at its chosen rate. `confirm` runs phase 2 only.
@@ -120,7 +120,8 @@ def tuning_grid(arm, rows):
     grid = set(GRID)
     tuning, seeds = scores(rows, "tune"), SEEDS["tune"]
     while len(grid) < MAX_RATES:
-        complete = all(set(tuning.get((arm, b), {}).get(lr, {})) >= set(seeds) for b in BUDGETS for lr in grid)
+        complete = all(set(tuning.get((arm, b), {}).get(lr, {})) >= set(seeds)
+                       for b in BUDGETS for lr in grid)
         if not complete:
             break
         added = set()
@@ -163,8 +164,8 @@ def held_out_reward(trainer, prompts, reward):
     ids, mask = gm.tokenize_prompts(trainer.tokenizer, prompts, args.max_prompt_length)
     with torch.random.fork_rng():  # the training run's own random stream goes on untouched
         torch.manual_seed(EVAL_SEED)
-        _, _, completion_ids, cmask = gm.generate_completions(trainer.model, trainer.tokenizer, ids, mask, args,
-                                                              trainer.eos_token_ids)
+        _, _, completion_ids, cmask = gm.generate_completions(trainer.model, trainer.tokenizer, ids, mask,
+                                                              args, trainer.eos_token_ids)
     lengths = cmask.sum(1).tolist()
     texts = trainer.tokenizer.batch_decode([r[:n] for r, n in zip(completion_ids.tolist(), lengths)],
                                            skip_special_tokens=True)

@@ -134,8 +134,8 @@ def report(rows, folder):
                                                           for s in seeds) + " |")
     clips = clip_fractions({k: v for k, v in fb.finished_runs(rows).items() if k[0] == "confirm"})
     summary["clip"] = clips
-    lines += ["", "Clip fraction of the off-policy steps (confirmation runs; μ > 1: reuse steps, S = 4: later "
-              "mini-batches): " + ", ".join(f"{a} {c:.0%}" for a, c in sorted(clips.items())) + "."]
+    lines += ["", "Clip fraction of the off-policy steps (confirmation runs; μ > 1: reuse steps, S = 4: "
+              "later mini-batches): " + ", ".join(f"{a} {c:.0%}" for a, c in sorted(clips.items())) + "."]
     lines += ["", "## Seconds to spend each budget, in μ = 1 steps (cost model, see the docstring)", "",
               "| where | " + " | ".join(f"{a} at {b}" for b in fb.BUDGETS for a in fb.ARMS) + " |",
               "|---|" + "---|" * (len(fb.BUDGETS) * len(fb.ARMS))]

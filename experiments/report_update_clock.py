@@ -122,8 +122,8 @@ def report(rows, folder):
         clips[arm, lr] += [r["clip"] for r in run if (r["step"] - 1) % cycle(arm)[0]]  # not a batch's first
     best, lines = best_rates(data), [f"Setting: {SETTING}.", ""]
     steps = sorted(mean_curve(data[next(iter(data))]))
-    lines += ["Held-out reward by optimizer step, mean over seeds [bootstrap 95 % interval]; off-policy steps' "
-              "clip fraction (reuse steps, stale mini-batches).", "",
+    lines += ["Held-out reward by optimizer step, mean over seeds [bootstrap 95 % interval]; off-policy "
+              "steps' clip fraction (reuse steps, stale mini-batches).", "",
               "| arm | lr | seeds | " + " | ".join(f"step {k}" for k in steps) + " | clip |",
               "|---|---|---|" + "---|" * (len(steps) + 1)]
     for arm, lr in sorted(data):
@@ -135,7 +135,8 @@ def report(rows, folder):
     base, n = ("μ=1", best["μ=1"]["lr"]), steps[-1]
     lines += ["", f"Each arm at its best rate against μ = 1 at its best ({base[1]:g}), paired by seed: the "
               f"difference in held-out reward at step {n} and at equal completions generated; w: what an "
-              "off-policy step is worth in fresh steps (1: as much; 0: nothing; > 1: the baseline never got there).", "",
+              "off-policy step is worth in fresh steps (1: as much; 0: nothing; > 1: the baseline never got "
+              "there).", "",
               "| arm | best lr | inside the grid | Δ by steps | Δ by steps, paired t-interval | "
               "Δ by completions (μ = 1 at step) | w |", "|---|---|---|---|---|---|---|"]
     summary = {"setting": SETTING, "w": {}, "best_lr": {}, "delta_steps": {}, "delta_completions": {}}

@@ -11,8 +11,8 @@ import report_fixed_budget as rep  # noqa: E402
 def run_rows(phase, arm, lr, seed, evals, attempt="a", end=True):
     """One run's rows as fixed_budget.Run writes them: a row per step, the held-out reward where given."""
     last = max(evals)
-    return [{"phase": phase, "arm": arm, "lr": lr, "seed": seed, "attempt": attempt, "step": s, "clip": 0.1 * s,
-             **({"eval_reward": evals[s]} if s in evals else {}), "end": end and s == last}
+    return [{"phase": phase, "arm": arm, "lr": lr, "seed": seed, "attempt": attempt, "step": s,
+             "clip": 0.1 * s, **({"eval_reward": evals[s]} if s in evals else {}), "end": end and s == last}
             for s in range(1, last + 1)]
 
 

@@ -14,7 +14,8 @@ BASE = {0: -60.0, 4: -50.0, 8: -40.0, 12: -30.0, 16: -20.0}  # μ = 1: +2.5 rewa
 
 def test_a_curve_is_read_linearly_between_uneven_points():
     curve = {0: -60.0, 2: -40.0, 10: -20.0}
-    assert r.reward_at(curve, 1) == -50.0 and r.reward_at(curve, 6) == -30.0 and r.reward_at(curve, 10) == -20.0
+    assert (r.reward_at(curve, 1) == -50.0 and r.reward_at(curve, 6) == -30.0
+            and r.reward_at(curve, 10) == -20.0)
 
 
 @pytest.mark.parametrize("curve,y,x", [
@@ -24,7 +25,8 @@ def test_a_curve_is_read_linearly_between_uneven_points():
     ({0: -60.0, 4: -30.0, 8: -50.0, 12: -20.0}, -40.0, 4 * 20 / 30),  # noisy: the first crossing
 ])
 def test_the_first_crossing(curve, y, x):
-    assert r.first_crossing(curve, y) == pytest.approx(x) if x is not None else r.first_crossing(curve, y) is None
+    assert (r.first_crossing(curve, y) == pytest.approx(x) if x is not None
+            else r.first_crossing(curve, y) is None)
 
 
 @pytest.mark.parametrize("reward,w", [
@@ -67,7 +69,8 @@ def rows_of(arm, lr, seed, rewards, end=True):
 
 def test_only_runs_that_ended_count_and_each_starts_at_the_untrained_reward():
     start = [{"arm": None, "lr": None, "seed": None, "step": 0, "eval_reward": -60.0, "end": False}]
-    rows = start + rows_of("μ=1", 1e-5, 42, {4: -50.0, 8: -40.0}) + rows_of("μ=1", 1e-5, 43, {4: -1.0}, end=False)
+    rows = (start + rows_of("μ=1", 1e-5, 42, {4: -50.0, 8: -40.0})
+            + rows_of("μ=1", 1e-5, 43, {4: -1.0}, end=False))
     assert dict(r.curves(rows)) == {("μ=1", 1e-5): {42: {0: -60.0, 4: -50.0, 8: -40.0}}}
 
 

@@ -1,7 +1,7 @@
 """
-What μ buys per update: the length reward −|40 − len| (TRL PR #2899's uses 100) on SmolLM2-135M-Instruct, every run bounded by
-optimizer steps (never by seconds) and scored on the same held-out prompts at the same steps, so that
-the curves do not depend on this machine's speed or on what else runs on it.
+What μ buys per update: the length reward −|40 − len| (TRL PR #2899's uses 100) on SmolLM2-135M-Instruct,
+every run bounded by optimizer steps (never by seconds) and scored on the same held-out prompts at the same
+steps, so that the curves do not depend on this machine's speed or on what else runs on it.
 
 Arms: μ = num_iterations ∈ {1, 2, 4} at steps_per_generation = gradient_accumulation_steps, and
 steps_per_generation = 4 × gradient_accumulation_steps at μ = 1 (TRL's other reading of multi-step).
@@ -45,8 +45,10 @@ def held_out_reward(trainer, prompts, reward):
     ids, mask = gm.tokenize_prompts(trainer.tokenizer, prompts, args.max_prompt_length)
     with torch.random.fork_rng():  # the training run's own random stream goes on untouched
         torch.manual_seed(EVAL_SEED)
-        _, _, completion_ids, cmask = gm.generate_completions(trainer.model, trainer.tokenizer, ids, mask, args)
-    texts = trainer.tokenizer.batch_decode([r[:n] for r, n in zip(completion_ids.tolist(), cmask.sum(1).tolist())],
+        _, _, completion_ids, cmask = gm.generate_completions(trainer.model, trainer.tokenizer,
+                                                              ids, mask, args)
+    texts = trainer.tokenizer.batch_decode([r[:n] for r, n in zip(completion_ids.tolist(),
+                                                                  cmask.sum(1).tolist())],
                                            skip_special_tokens=True)
     return sum(reward(completions=texts)) / len(texts), sum(map(len, texts)) / len(texts)
 
@@ -54,7 +56,8 @@ def held_out_reward(trainer, prompts, reward):
 class Run(gm.GRPOTrainer):
     def log(self, metrics):
         a, S = self.args, gm.mini_batches_per_generation(self.args)
-        cycle, per_batch = a.num_iterations * S, a.per_device_train_batch_size * a.gradient_accumulation_steps * S
+        cycle, per_batch = (a.num_iterations * S,
+                            a.per_device_train_batch_size * a.gradient_accumulation_steps * S)
         step = metrics["step"]
         row = {**self.tags, "step": step, "completions": math.ceil(step / cycle) * per_batch,
                "first_use": (step - 1) % cycle < S,  # a mini-batch's first use (its ratio starts at 1)
@@ -105,7 +108,8 @@ def main(argv=None):
     done = {(r["arm"], r["lr"], r["seed"]) for r in rows if r["end"]}
     first = opts.worker == 0 and not any(r["step"] == 0 for r in rows)  # the untrained model, once
     # Seed-major: a sweep cut short has every cell at fewer seeds, not some cells at none.
-    runs = [(arm, lr, 42 + s) for s in range(opts.seeds) for arm in opts.arms for lr in opts.lrs or RATES[arm]]
+    runs = [(arm, lr, 42 + s) for s in range(opts.seeds) for arm in opts.arms
+            for lr in opts.lrs or RATES[arm]]
     for i, (arm, lr, seed) in enumerate(runs):
         if i % opts.workers != opts.worker or (arm, lr, seed) in done:
             continue
@@ -113,7 +117,8 @@ def main(argv=None):
         config = gm.GRPOConfig(**SHAPE, **ARMS[arm], learning_rate=lr, seed=seed, max_steps=opts.max_steps,
                                output_dir=out)
         trainer = Run(model, reward, args=config, train_dataset=gm.Dataset.from_dict({"prompt": train}))
-        trainer.tags, trainer.rows, trainer.eval_every = {"arm": arm, "lr": lr, "seed": seed}, opts.rows, opts.eval_every
+        trainer.tags, trainer.rows, trainer.eval_every = ({"arm": arm, "lr": lr, "seed": seed}, opts.rows,
+                                                          opts.eval_every)
         trainer.held_out, trainer.reward = held_out, reward
         if first:  # the same for every arm, rate and seed: the weights and the random numbers are
             reward0, chars0 = held_out_reward(trainer, held_out, reward)

@@ -19,8 +19,9 @@ import subprocess
 import sys
 import tempfile
 
-FLAGS = ("--preset cpu --per_device_train_batch_size 8 --gradient_accumulation_steps 4 --max_prompt_length 64 "
-         "--max_completion_length 64 --log_completions False --num_iterations 1 --beta 0 --logging_steps 1")
+FLAGS = ("--preset cpu --per_device_train_batch_size 8 --gradient_accumulation_steps 4 "
+         "--max_prompt_length 64 --max_completion_length 64 --log_completions False --num_iterations 1 "
+         "--beta 0 --logging_steps 1")
 PHASES = ("generate", "forward", "backward", "optimizer")
 
 

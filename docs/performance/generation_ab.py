@@ -15,14 +15,15 @@ import statistics
 import subprocess
 import sys
 
-CHILD = r"""
+CHILD = (r"""
 import json, sys, time, torch
 sys.path.insert(0, sys.argv[1])
 import grpo_multistep as gm
 import train_tldr
 from transformers import AutoModelForCausalLM, AutoTokenizer
 folder = train_tldr.smollm2_folder()
-model, tok = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32), AutoTokenizer.from_pretrained(folder)
+model, tok = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32), """
+         r"""AutoTokenizer.from_pretrained(folder)
 prompts = train_tldr.load_prompts("embedded")["prompt"][:4]
 args = gm.GRPOConfig(num_generations=8, max_completion_length=64, max_prompt_length=64)
 ids, mask = gm.tokenize_prompts(tok, prompts, 64)
@@ -31,8 +32,9 @@ start = time.perf_counter()
 out = gm.generate_completions(model.train(), tok, ids, mask, args)
 seconds = time.perf_counter() - start
 lengths = out[3].sum(1)
-print(json.dumps({"seconds": seconds, "steps": int(lengths.max()), "mean_length": float(lengths.float().mean())}))
-"""
+print(json.dumps({"seconds": seconds, "steps": int(lengths.max()), """
+         r""""mean_length": float(lengths.float().mean())}))
+""")
 
 
 def main():
