@@ -25,11 +25,12 @@ import safetensors.torch
 import torch
 from datasets import Dataset
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-from transformers import (GemmaConfig, GemmaForCausalLM, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM,
-                          PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM)
+from transformers import (GemmaConfig, GemmaForCausalLM, GPT2Config, GPT2LMHeadModel, LlamaConfig,
+                          LlamaForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM)
 
 import grpo_multistep as gm
-from grpo_multistep import GRPOConfig, GRPOTrainer, completion_mask, group_advantages, grpo_loss, per_token_logps
+from grpo_multistep import (GRPOConfig, GRPOTrainer, completion_mask, group_advantages, grpo_loss,
+                            per_token_logps)
 
 torch.use_deterministic_algorithms(True)
 torch.set_num_threads(1)  # a 32-wide model gains nothing from threads, and loses a lot to a busy machine
@@ -57,7 +58,8 @@ def make_model(tokenizer, seed=0):
     torch.manual_seed(seed)
     config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, bos_token_id=None)
+                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                         bos_token_id=None)
     return LlamaForCausalLM(config)
 
 
@@ -73,11 +75,12 @@ def short_is_good(completion_ids, **kwargs):
     return [sum(t < 150 for t in ids) / max(len(ids), 1) for ids in completion_ids]
 
 
-def make_trainer(tmp_path, reward_funcs=short_is_good, dataset=None, tokenizer=None, model=None, peft_config=None,
-                 **overrides):
+def make_trainer(tmp_path, reward_funcs=short_is_good, dataset=None, tokenizer=None, model=None,
+                 peft_config=None, **overrides):
     tokenizer = tokenizer or make_tokenizer()
-    config = dict(output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, gradient_accumulation_steps=2,
-                  num_generations=4, max_prompt_length=16, max_completion_length=12, max_steps=2,
+    config = dict(output_dir=str(tmp_path / "out"), per_device_train_batch_size=4,
+                  gradient_accumulation_steps=2, num_generations=4, max_prompt_length=16,
+                  max_completion_length=12, max_steps=2,
                   learning_rate=1e-2, logging_steps=1, max_grad_norm=0.0, seed=0)
     config.update(overrides)
     dataset = dataset if dataset is not None else Dataset.from_dict({"prompt": PROMPTS})
@@ -136,13 +139,15 @@ def test_mu2_first_step_has_ratio_one_and_the_mu1_gradient(tmp_path):
 
     # The cached π_old log-probs equal the first training forward's: ratio exactly 1, nothing clipped.
     batch = trainer_mu2.batch
-    fresh = gm.cached_logps(make_trainer(tmp_path), make_model(make_tokenizer()).to(trainer_mu2.device), batch)
+    fresh = gm.cached_logps(make_trainer(tmp_path), make_model(make_tokenizer()).to(trainer_mu2.device),
+                            batch)
     assert torch.equal(batch["old_logps"], fresh)
     for g1, g2 in zip(grads_mu1, grads_mu2):
         assert torch.equal(g1, g2)
 
 
-@pytest.mark.parametrize("mu,S,beta", [(1, 1, 0), (3, 1, 0), (1, 1, 0.1), (3, 1, 0.1), (1, 2, 0), (2, 2, 0.1)])
+@pytest.mark.parametrize("mu,S,beta", [(1, 1, 0), (3, 1, 0), (1, 1, 0.1), (3, 1, 0.1), (1, 2, 0),
+                                       (2, 2, 0.1)])
 def test_generation_and_cached_logps_happen_once_per_generation_batch(tmp_path, monkeypatch, mu, S, beta):
     """A generation batch of S mini-batches serves μ·S optimizer steps: one generation, one π_old pass
     (unless μ·S = 1, where the training pass's own log-probs are π_old's) and one π_ref pass (β > 0)."""
@@ -173,7 +178,8 @@ def test_generation_and_cached_logps_happen_once_per_generation_batch(tmp_path, 
 
 
 def test_steps_per_generation_of_one_optimizer_step_is_the_default_loop_bit_for_bit(tmp_path):
-    """steps_per_generation = gradient_accumulation_steps (TRL's default, None here) is the loop without it."""
+    """steps_per_generation = gradient_accumulation_steps (TRL's default, None here) is the loop
+    without it."""
     assert_same_run(run_to_end(tmp_path, "none"), run_to_end(tmp_path, "ga", steps_per_generation=2))
 
 
@@ -287,7 +293,8 @@ def test_at_ratio_one_gspos_gradient_is_grpos():
 
 
 def test_the_loss_needs_only_the_configs_fields_and_reads_epsilon_high_none_as_epsilon():
-    """grpo_loss copied alone works on any object with GRPOConfig's fields; epsilon_high=None means ε (TRL)."""
+    """grpo_loss copied alone works on any object with GRPOConfig's fields; epsilon_high=None
+    means ε (TRL)."""
     fields = dict(epsilon=0.1, beta=0.0, loss_type="grpo", max_completion_length=4,
                   importance_sampling_level="token")
     old_logps, advantages = torch.zeros(2, 4), torch.tensor([1.0, -1.0])
@@ -299,7 +306,8 @@ def test_the_loss_needs_only_the_configs_fields_and_reads_epsilon_high_none_as_e
         loss.backward()
         results.append((loss, logps.grad, stats["clip_low"], stats["clip_high"]))
     assert all(torch.equal(a, b) for a, b in zip(*results))
-    assert (results[0][2].item(), results[0][3].item()) == (1, 1)  # 0.85 < 1 - ε with A < 0; 1.15 > 1 + ε, A > 0
+    # 0.85 < 1 - ε with A < 0; 1.15 > 1 + ε, A > 0
+    assert (results[0][2].item(), results[0][3].item()) == (1, 1)
 
 
 def test_kl_is_zero_with_zero_gradient_while_policy_equals_reference():
@@ -362,7 +370,8 @@ def test_a_group_of_equal_rewards_has_exactly_zero_advantage():
 
 
 def test_equal_rewards_give_zero_policy_gradient(tmp_path):
-    grads = first_step_gradients(make_trainer(tmp_path, reward_funcs=lambda completions, **kw: [1.0] * len(completions)))
+    grads = first_step_gradients(
+        make_trainer(tmp_path, reward_funcs=lambda completions, **kw: [1.0] * len(completions)))
     assert all(torch.equal(g, torch.zeros_like(g)) for g in grads)
 
 
@@ -502,7 +511,8 @@ def test_text_prompts_keep_the_bos_that_the_tokenizer_adds_and_chats_get_only_th
     tokenizer.backend_tokenizer.post_processor = processors.TemplateProcessing(single="<s> $A",
                                                                                special_tokens=[("<s>", bos)])
     ids, mask = gm.tokenize_prompts(tokenizer, ["hello world", "the cat"], None)
-    assert ids[mask.bool()].tolist().count(bos) == 2 and ids[1, -3].item() == bos  # each prompt starts with it
+    # each prompt starts with it
+    assert ids[mask.bool()].tolist().count(bos) == 2 and ids[1, -3].item() == bos
     chat, _ = gm.tokenize_prompts(tokenizer, [[{"role": "user", "content": "hello"}]], None)
     assert bos not in chat[0].tolist()  # this template writes none: none is added
 
@@ -514,7 +524,8 @@ def test_left_padding_does_not_change_log_probs():
     completion = torch.tensor([[40, 50, 60], [40, 50, 60]])
     padded = per_token_logps(model, ids, mask, completion, torch.ones_like(completion), 1.0)[0]
     alone_ids = torch.tensor([tokenizer("hello world", add_special_tokens=False)["input_ids"]])
-    alone = per_token_logps(model, alone_ids, torch.ones_like(alone_ids), completion[:1], torch.ones(1, 3), 1.0)[0]
+    alone = per_token_logps(model, alone_ids, torch.ones_like(alone_ids), completion[:1], torch.ones(1, 3),
+                            1.0)[0]
     assert mask[0, 0] == 0                                                # row 0 really is left-padded
     torch.testing.assert_close(padded[0], alone[0], rtol=0, atol=1e-5)
 
@@ -552,7 +563,7 @@ def test_the_lm_head_backward_reruns_the_head_under_the_bf16_autocast_of_its_for
     targets, weights = torch.randint(50, (6,)), torch.randn(6)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         lean = gm.TokenLogps.apply(hidden, targets, 0.7, weight, None)[0]
-        logits = torch.nn.functional.linear(hidden, weight).float() / 0.7         # bf16 products, as bf16=True
+        logits = torch.nn.functional.linear(hidden, weight).float() / 0.7  # bf16 products, as bf16=True
         plain = logits.log_softmax(-1).gather(-1, targets[:, None]).squeeze(-1)
     torch.testing.assert_close(lean, plain, rtol=0, atol=1e-5)
     lean_grads = torch.autograd.grad((lean * weights).sum(), (hidden, weight))
@@ -586,7 +597,8 @@ def test_generation_shares_each_prompts_cache_and_samples_from_the_plain_forward
         return token
 
     monkeypatch.setattr(gm, "sample_token", sample_and_end_row_t_at_step_t)
-    model.get_input_embeddings().register_forward_hook(lambda module, inputs, out: rows_in.append(inputs[0].shape))
+    model.get_input_embeddings().register_forward_hook(
+        lambda module, inputs, out: rows_in.append(inputs[0].shape))
     args = GRPOConfig(num_generations=3, max_completion_length=8, temperature=0.7)
     prompt_ids, prompt_mask, completion_ids, completion_mask = gm.generate_completions(model, tokenizer, ids,
                                                                                      mask, args)
@@ -616,8 +628,10 @@ def test_the_completions_of_a_prompt_share_its_forward_pass_and_get_the_plain_lo
     completion_mask = torch.ones_like(completion_ids)
     completion_mask[1, 3:] = completion_mask[4, 1:] = 0                                        # ended early
     rows_in = []
-    hook = model.get_input_embeddings().register_forward_hook(lambda m, inputs, out: rows_in.append(len(inputs[0])))
-    lean = per_token_logps(model, prompt_ids, prompt_mask, completion_ids, completion_mask, 0.7)[0] * completion_mask
+    hook = model.get_input_embeddings().register_forward_hook(
+        lambda m, inputs, out: rows_in.append(len(inputs[0])))
+    lean = (per_token_logps(model, prompt_ids, prompt_mask, completion_ids, completion_mask, 0.7)[0]
+            * completion_mask)
     lean.sum().backward()
     hook.remove()
     assert rows_in == ([6] if checkpointing else [2, 6])   # shared: the 2 prompts, then the 6 completions
@@ -626,8 +640,10 @@ def test_the_completions_of_a_prompt_share_its_forward_pass_and_get_the_plain_lo
     plain = gm.plain_per_token_logps(model, prompt_ids, prompt_mask, completion_ids, completion_mask, 0.7)
     (plain * completion_mask).sum().backward()
     torch.testing.assert_close(lean, plain * completion_mask, rtol=0, atol=1e-5)
-    logits = plain_logits(model, prompt_ids, prompt_mask, completion_ids, completion_mask)[:, ids.size(1) - 1:-1]
-    by_hand = (logits / 0.7).log_softmax(-1).gather(-1, completion_ids[..., None]).squeeze(-1)  # the model's own
+    logits = plain_logits(model, prompt_ids, prompt_mask, completion_ids,
+                          completion_mask)[:, ids.size(1) - 1:-1]
+    # the model's own
+    by_hand = (logits / 0.7).log_softmax(-1).gather(-1, completion_ids[..., None]).squeeze(-1)
     torch.testing.assert_close(plain, by_hand, rtol=0, atol=1e-5)
     for a, p in zip(lean_grads, model.parameters()):
         torch.testing.assert_close(a, p.grad, rtol=1e-4, atol=1e-6)
@@ -650,7 +666,8 @@ def test_attention_dropout_is_turned_off_like_the_rest(tmp_path):
 def test_a_model_whose_logits_are_not_the_lm_head_output_is_refused(tmp_path):
     model = make_model(make_tokenizer())
     forward = model.forward  # stands in for softcapping or scaling inside a model's forward
-    model.forward = lambda *a, **k: (lambda out: setattr(out, "logits", out.logits * 2) or out)(forward(*a, **k))
+    model.forward = lambda *a, **k: (lambda out: setattr(out, "logits", out.logits * 2) or out)(
+        forward(*a, **k))
     with pytest.raises(ValueError, match="logits are not lm_head"):
         make_trainer(tmp_path, model=model)
 
@@ -682,7 +699,8 @@ def test_reward_rises_over_a_short_run(tmp_path):
     args = GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=16, gradient_accumulation_steps=1,
                       num_generations=8, max_completion_length=8, max_steps=30, learning_rate=3e-2,
                       num_iterations=2, logging_steps=2, seed=0, save_steps=1000)
-    Recorder(make_model(tokenizer), short_is_good, args, Dataset.from_dict({"prompt": PROMPTS}), tokenizer).train()
+    Recorder(make_model(tokenizer), short_is_good, args, Dataset.from_dict({"prompt": PROMPTS}),
+             tokenizer).train()
     first, last = sum(rewards[:4]) / 4, sum(rewards[-4:]) / 4
     assert last > first + 0.25, rewards
 
@@ -734,12 +752,14 @@ def test_trl_pr_2899_reproduction_script_runs_with_only_its_import_line_changed(
     tokenizer.save_pretrained(tmp_path / "tiny")
     Dataset.from_dict({"prompt": [f"POST: {p}\nTL;DR:" for p in PROMPTS]}).to_json(tmp_path / "tldr.json")
     script = (PR2899_SCRIPT.replace("from trl import", "from grpo_multistep import")
-              .replace('load_dataset("trl-lib/tldr", split="train")', f'load_dataset("json", data_files="{tmp_path / "tldr.json"}", split="train")')
+              .replace('load_dataset("trl-lib/tldr", split="train")',
+                       f'load_dataset("json", data_files="{tmp_path / "tldr.json"}", split="train")')
               .replace('"Qwen/Qwen2.5-0.5B"', f'"{tmp_path / "tiny"}"')
               .replace("max_steps=200", "max_steps=8"))
     (tmp_path / "pr2899.py").write_text(script)
     env = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.abspath(gm.__file__)), "OMP_NUM_THREADS": "1"}
-    result = subprocess.run([sys.executable, "pr2899.py"], cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env)
+    result = subprocess.run([sys.executable, "pr2899.py"], cwd=tmp_path, capture_output=True, text=True,
+                            timeout=300, env=env)
     assert result.returncode == 0, result.stderr[-3000:]
     out = tmp_path / "Qwen2.5-0.5B-GRPO-2899-μ=4"
     assert (out / "model.safetensors").exists() and (out / "metrics.jsonl").read_text().count("\n") == 2
@@ -763,8 +783,9 @@ def run_to_end(tmp_path, name, resume=None, stop_at=None, model=None, peft_confi
                 raise KeyboardInterrupt
 
     tokenizer = make_tokenizer()
-    config = dict(output_dir=str(tmp_path / name), per_device_train_batch_size=4, gradient_accumulation_steps=2,
-                  num_generations=4, max_completion_length=12, max_steps=6, num_iterations=3, save_steps=2,
+    config = dict(output_dir=str(tmp_path / name), per_device_train_batch_size=4,
+                  gradient_accumulation_steps=2, num_generations=4, max_completion_length=12,
+                  max_steps=6, num_iterations=3, save_steps=2,
                   learning_rate=1e-2, logging_steps=1, beta=0.1, seed=0)
     config.update(overrides)
     trainer = Recorder((model or make_model)(tokenizer), short_is_good, GRPOConfig(**config),
@@ -779,7 +800,8 @@ def assert_same_run(a, b):
     assert metrics_a[-len(metrics_b):] == metrics_b
 
 
-@pytest.mark.parametrize("checkpoint,mu,spg", [(2, 3, None), (3, 3, None), (4, 3, None), (1, 1, 6), (5, 2, 4)])
+@pytest.mark.parametrize("checkpoint,mu,spg", [(2, 3, None), (3, 3, None), (4, 3, None), (1, 1, 6),
+                                               (5, 2, 4)])
 def test_resuming_from_a_checkpoint_is_bit_identical(tmp_path, checkpoint, mu, spg):
     """Inside a generation batch (μ = 3: steps 2, 4; S = 3: step 1; μ = 2, S = 2: step 5) and at its end."""
     shape = dict(num_iterations=mu, steps_per_generation=spg)
@@ -817,11 +839,13 @@ t.run_to_end(Path({tmp!r}), "run")
 
 def test_a_process_killed_while_writing_a_checkpoint_leaves_the_previous_one_loadable(tmp_path):
     flag = tmp_path / "saving"
-    script = KILLED_WHILE_SAVING.format(here=os.path.dirname(os.path.abspath(__file__)), flag=str(flag), tmp=str(tmp_path))
+    script = KILLED_WHILE_SAVING.format(here=os.path.dirname(os.path.abspath(__file__)), flag=str(flag),
+                                        tmp=str(tmp_path))
     with child_at(flag, script):  # killed at the checkpoint of step 4
         pass
     run = tmp_path / "run"
-    assert sorted(os.listdir(run)) == ["checkpoint-2", "checkpoint-4.tmp", "metrics.jsonl"]  # half-written: .tmp
+    # half-written: .tmp
+    assert sorted(os.listdir(run)) == ["checkpoint-2", "checkpoint-4.tmp", "metrics.jsonl"]
     assert gm.list_checkpoints(str(run)) == [str(run / "checkpoint-2")]
     assert [r["step"] for r in metrics_of(run)] == [1, 2, 3, 4]  # steps 3, 4: done, but not checkpointed
     assert_same_run(run_to_end(tmp_path, "a"), run_to_end(tmp_path, "run", resume=True))
@@ -830,7 +854,8 @@ def test_a_process_killed_while_writing_a_checkpoint_leaves_the_previous_one_loa
 
 def test_save_total_limit_keeps_the_newest_checkpoints(tmp_path):
     run_to_end(tmp_path, "a", save_steps=1, save_total_limit=2)
-    assert [os.path.basename(c) for c in gm.list_checkpoints(str(tmp_path / "a"))] == ["checkpoint-5", "checkpoint-6"]
+    assert ([os.path.basename(c) for c in gm.list_checkpoints(str(tmp_path / "a"))]
+            == ["checkpoint-5", "checkpoint-6"])
 
 
 def test_rolling_back_to_an_older_checkpoint_sets_the_later_work_aside_and_resumes_exactly(tmp_path):
@@ -845,9 +870,9 @@ def test_rolling_back_to_an_older_checkpoint_sets_the_later_work_aside_and_resum
     assert_same_run(uninterrupted, rolled_back)
     aside = tmp_path / "a" / next(n for n in os.listdir(tmp_path / "a") if n.startswith("rolled-back-to-1-"))
     assert any(str(aside) in str(w.message) for w in warned)
-    assert sorted(os.listdir(aside)) == ["chat_template.jinja", "checkpoint-2", "config.json", "final_model_files.json",
-                                         "generation_config.json", "metrics.jsonl", "model.safetensors", "tokenizer.json",
-                                         "tokenizer_config.json"]
+    assert sorted(os.listdir(aside)) == ["chat_template.jinja", "checkpoint-2", "config.json",
+                                         "final_model_files.json", "generation_config.json", "metrics.jsonl",
+                                         "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
     assert [r["step"] for r in metrics_of(aside)] == [2]
     assert [r["step"] for r in metrics_of(tmp_path / "a")] == [1, 2, 3, 4, 5, 6]
     assert checkpoints(tmp_path / "a") == ["checkpoint-5", "checkpoint-6"]
@@ -883,7 +908,8 @@ def test_three_non_finite_steps_in_a_row_stop_training_with_a_checkpoint(tmp_pat
     loss = gm.grpo_loss
     monkeypatch.setattr(gm, "grpo_loss", lambda *a: (lambda l, s: (l * float("inf"), s))(*loss(*a)))
     trainer = make_trainer(tmp_path, max_steps=10)
-    with pytest.warns(UserWarning), pytest.raises(RuntimeError, match="3 optimizer steps in a row had a non-finite"):
+    with pytest.warns(UserWarning), pytest.raises(RuntimeError,
+                                                  match="3 optimizer steps in a row had a non-finite"):
         trainer.train()
     assert gm.list_checkpoints(trainer.args.output_dir)[-1].endswith("checkpoint-3")
 
@@ -993,7 +1019,8 @@ def test_bad_trainer_inputs_are_rejected_before_training(tmp_path):
 def test_a_model_that_cannot_be_loaded_is_named_within_seconds(tmp_path):
     start = time.perf_counter()
     with pytest.raises(ValueError, match="could not load '.*no-such-folder'"):
-        GRPOTrainer(str(tmp_path / "no-such-folder"), short_is_good, GRPOConfig(), Dataset.from_dict({"prompt": PROMPTS}))
+        GRPOTrainer(str(tmp_path / "no-such-folder"), short_is_good, GRPOConfig(),
+                    Dataset.from_dict({"prompt": PROMPTS}))
     with pytest.raises(ValueError, match="could not load 'no-such-user/no-such-model-for-grpo'"):
         GRPOTrainer("no-such-user/no-such-model-for-grpo", short_is_good, GRPOConfig(),
                     Dataset.from_dict({"prompt": PROMPTS}))
@@ -1019,14 +1046,16 @@ def test_the_hub_counts_as_reachable_when_it_answers_at_all(monkeypatch):
     # set its client offline before this test began
     monkeypatch.setattr(gm.huggingface_hub.constants, "HF_HUB_OFFLINE", False)
     try:
-        monkeypatch.setattr(gm.huggingface_hub.constants, "ENDPOINT", f"http://127.0.0.1:{server.server_port}")
+        monkeypatch.setattr(gm.huggingface_hub.constants, "ENDPOINT",
+                            f"http://127.0.0.1:{server.server_port}")
         assert gm.hub_reachable()
     finally:
         server.shutdown()
         server.server_close()
     with socket.socket() as closed:  # a port that nothing listens on
         closed.bind(("127.0.0.1", 0))
-        monkeypatch.setattr(gm.huggingface_hub.constants, "ENDPOINT", f"http://127.0.0.1:{closed.getsockname()[1]}")
+        monkeypatch.setattr(gm.huggingface_hub.constants, "ENDPOINT",
+                            f"http://127.0.0.1:{closed.getsockname()[1]}")
         assert not gm.hub_reachable()
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     assert not gm.hub_reachable()
@@ -1042,7 +1071,8 @@ def test_a_tokenizer_without_eos_is_rejected(tmp_path):
 def test_gradient_checkpointing_gives_the_same_gradients(tmp_path):
     """With activations recomputed, per_token_logps takes its one-pass path (no shared prompt cache)."""
     plain, checkpointed = (first_step_gradients(make_trainer(tmp_path / str(gc), num_iterations=2, beta=0.1,
-                                                             gradient_checkpointing=gc)) for gc in (False, True))
+                                                             gradient_checkpointing=gc))
+                           for gc in (False, True))
     for a, b in zip(plain, checkpointed):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
 
@@ -1058,9 +1088,10 @@ def test_a_model_built_in_memory_needs_its_tokenizer_passed(tmp_path):
 def test_a_model_folder_without_tokenizer_files_says_so(tmp_path, kind):
     """Its model type's tokenizer class loads with special tokens only: every prompt would render to 0 tokens
     (Qwen2's) or to <unk>s (Gemma's). Named at construction instead, with what to pass."""
-    sizes = dict(vocab_size=300, hidden_size=32, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
-                 num_key_value_heads=1, head_dim=16)
-    model = Qwen2ForCausalLM(Qwen2Config(**sizes)) if kind == "qwen2" else GemmaForCausalLM(GemmaConfig(**sizes))
+    sizes = dict(vocab_size=300, hidden_size=32, intermediate_size=32, num_hidden_layers=1,
+                 num_attention_heads=2, num_key_value_heads=1, head_dim=16)
+    model = (Qwen2ForCausalLM(Qwen2Config(**sizes)) if kind == "qwen2"
+             else GemmaForCausalLM(GemmaConfig(**sizes)))
     model.save_pretrained(tmp_path / "model")
     with pytest.raises(ValueError, match=r"special tokens only .*model'\): pass processing_class"):
         GRPOTrainer(str(tmp_path / "model"), short_is_good, GRPOConfig(output_dir=str(tmp_path / "out")),
@@ -1072,10 +1103,11 @@ def test_prompt_and_completion_past_a_learned_position_table_are_refused_at_the_
     that could go past it is refused when train() starts; one that fits trains; a rotary model (no table)
     runs past max_position_embeddings as before."""
     tokenizer = make_tokenizer()
-    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=len(tokenizer), n_positions=20, n_embd=32, n_layer=1, n_head=2,
-                                      eos_token_id=tokenizer.eos_token_id, bos_token_id=None))
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=len(tokenizer), n_positions=20, n_embd=32, n_layer=1,
+                                      n_head=2, eos_token_id=tokenizer.eos_token_id, bos_token_id=None))
     long_prompts = Dataset.from_dict({"prompt": ["the cat sat on the mat " * 2] * 8})  # > 16 tokens each
-    for prompt_length, match in ((16, "=16 \\+ max_completion_length=12 exceed the model's table of 20 positions.*sum <= 20"),
+    for prompt_length, match in ((16, "=16 \\+ max_completion_length=12 exceed the model's table of 20 "
+                                      "positions.*sum <= 20"),
                                  (None, "max_prompt_length=None")):
         with pytest.raises(ValueError, match=match):
             make_trainer(tmp_path, model=gpt2, tokenizer=tokenizer, dataset=long_prompts,
@@ -1243,13 +1275,18 @@ def run_until(script, flag, signum, env=None, command=None):
         return process.wait(timeout=60), time.monotonic() - sent
 
 
-@pytest.mark.parametrize("phase,signum,status", [("generate", signal.SIGTERM, 143), ("reward", signal.SIGTERM, 143),
-                                                 ("reward", signal.SIGHUP, 129), ("reward", signal.SIGUSR1, 138),
+@pytest.mark.parametrize("phase,signum,status", [("generate", signal.SIGTERM, 143),
+                                                 ("reward", signal.SIGTERM, 143),
+                                                 ("reward", signal.SIGHUP, 129),
+                                                 ("reward", signal.SIGUSR1, 138),
                                                  ("reward", signal.SIGQUIT, 131)])
-def test_a_signal_stops_a_60_s_step_within_seconds_keeping_the_finished_steps(tmp_path, phase, signum, status):
-    """SIGTERM (preemption: SLURM and Kubernetes send SIGKILL about 30 s later), SIGHUP (a lost ssh connection),
-    SIGUSR1 (SLURM's --signal=USR1@<seconds>: checkpoint before the time limit) or SIGQUIT (Ctrl-\\) during
-    step 3's 60 s generation or reward call: that step is abandoned, checkpoint-2 is written, and the process exits with status 128 + the signal within seconds. The checkpoint resumes bit-identically."""
+def test_a_signal_stops_a_60_s_step_within_seconds_keeping_the_finished_steps(tmp_path, phase, signum,
+                                                                              status):
+    """SIGTERM (preemption: SLURM and Kubernetes send SIGKILL about 30 s later), SIGHUP (a lost ssh
+    connection), SIGUSR1 (SLURM's --signal=USR1@<seconds>: checkpoint before the time limit) or SIGQUIT
+    (Ctrl-\\) during step 3's 60 s generation or reward call: that step is abandoned, checkpoint-2 is
+    written, and the process exits with status 128 + the signal within seconds. The checkpoint resumes
+    bit-identically."""
     flag = tmp_path / "slow"
     script = A_60_S_CALL_IN_STEP_3.format(here=os.path.dirname(os.path.abspath(__file__)), flag=str(flag),
                                           tmp=str(tmp_path), phase=phase)
@@ -1394,7 +1431,8 @@ def test_a_signal_during_a_log_override_waits_for_it_so_that_the_saved_step_is_l
     trainer.__class__ = Uploading
     with pytest.raises(SystemExit):
         trainer.train()
-    assert [r["step"] for r in metrics_of(tmp_path / "out")] == [1, 2] and checkpoints(tmp_path / "out") == ["checkpoint-2"]
+    assert ([r["step"] for r in metrics_of(tmp_path / "out")] == [1, 2]
+            and checkpoints(tmp_path / "out") == ["checkpoint-2"])
     make_trainer(tmp_path, max_steps=4).train(resume_from_checkpoint=True)
     assert [r["step"] for r in metrics_of(tmp_path / "out")] == [1, 2, 3, 4]
 
@@ -1422,8 +1460,8 @@ def test_inside_a_mu_cycle_a_resume_with_what_made_the_cached_batch_changed_is_r
     make_trainer(tmp_path, num_iterations=2, max_steps=2, save_steps=1).train()
     for change in ({"temperature": 0.5}, {"beta": 0.1}, {"scale_rewards": "none"}, {"reward_weights": [2.0]}):
         with pytest.raises(ValueError, match=list(change)[0]):
-            make_trainer(tmp_path, num_iterations=2, max_steps=2, output_dir=str(tmp_path / "b"), **change).train(
-                resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-1"))
+            make_trainer(tmp_path, num_iterations=2, max_steps=2, output_dir=str(tmp_path / "b"),
+                         **change).train(resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-1"))
 
 
 def two_ranks(template, tmp_path):
@@ -1463,8 +1501,9 @@ def reward(completion_ids, **kw):  # rank 1's grader hangs for 60 s in step 3 of
         open({flag!r}, "w").close()
         time.sleep(60)
     return t.short_is_good(completion_ids)
-t.make_trainer(Path({tmp!r}), reward, max_steps=4, save_steps=100, per_device_train_batch_size=4,
-               gradient_accumulation_steps=1, output_dir=sys.argv[2]).train(resume_from_checkpoint=sys.argv[3] == "resume")
+trainer = t.make_trainer(Path({tmp!r}), reward, max_steps=4, save_steps=100, per_device_train_batch_size=4,
+                         gradient_accumulation_steps=1, output_dir=sys.argv[2])
+trainer.train(resume_from_checkpoint=sys.argv[3] == "resume")
 t.torch.distributed.destroy_process_group()  # else a gloo thread can abort the exit (SIGABRT), now and then
 """
 
@@ -1476,9 +1515,11 @@ def test_sigterm_to_torchrun_stops_every_rank_within_seconds_with_a_checkpoint(t
     worker, flag = tmp_path / "worker.py", tmp_path / "slow"
     worker.write_text(TORCHRUN_WORKER.format(here=os.path.dirname(os.path.abspath(__file__)), flag=str(flag),
                                              tmp=str(tmp_path)))
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(worker)]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                str(worker)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    code, seconds = run_until(None, flag, signal.SIGTERM, command=[*torchrun, "slow", str(tmp_path / "out"), "new"])
+    code, seconds = run_until(None, flag, signal.SIGTERM,
+                              command=[*torchrun, "slow", str(tmp_path / "out"), "new"])
     assert code != 0 and seconds < 20, (code, seconds)
     assert checkpoints(tmp_path / "out") == ["checkpoint-2"]
     for args in (["fast", str(tmp_path / "out"), "resume"], ["fast", str(tmp_path / "whole"), "new"]):
@@ -1517,7 +1558,8 @@ def test_resuming_into_an_output_dir_that_holds_another_run_is_refused(tmp_path)
         run_to_end(tmp_path, "b", resume=str(tmp_path / "a" / "checkpoint-4"))
     assert sorted(os.listdir(tmp_path / "b")) == before
     run_to_end(tmp_path, "b", resume=str(tmp_path / "a" / "checkpoint-4"), overwrite_output_dir=True)
-    assert [r["step"] for r in metrics_of(tmp_path / "b")] == [5, 6] and checkpoints(tmp_path / "b") == ["checkpoint-6"]
+    assert ([r["step"] for r in metrics_of(tmp_path / "b")] == [5, 6]
+            and checkpoints(tmp_path / "b") == ["checkpoint-6"])
 
 
 def test_an_output_dir_that_is_the_models_own_folder_is_refused(tmp_path):
@@ -1575,7 +1617,8 @@ def test_a_resume_says_what_it_changes(tmp_path):
 # ---------------------------------------------------------------------------------------------------
 # output_dir: one run at a time, and only the run's own files are ever deleted or moved
 # ---------------------------------------------------------------------------------------------------
-USERS_FILES = ["tokenizer_experiments/", "tokenizer_v2.py", "vocab.json", "model_v1.safetensors.d/", "notes.txt"]
+USERS_FILES = ["tokenizer_experiments/", "tokenizer_v2.py", "vocab.json", "model_v1.safetensors.d/",
+               "notes.txt"]
 
 
 def put_users_files(out):
@@ -1591,24 +1634,29 @@ def test_overwrite_and_roll_back_touch_only_what_the_run_wrote_and_name_it(tmp_p
     put_users_files(out)
     make_trainer(tmp_path, max_steps=2, save_steps=1).train()
     with pytest.warns(UserWarning, match="rolling back to step 1: checkpoint-2, .*model.safetensors"):
-        make_trainer(tmp_path, max_steps=2, save_steps=1).train(resume_from_checkpoint=str(out / "checkpoint-1"))
-    with pytest.warns(UserWarning, match=r"overwrite_output_dir deletes checkpoint-1, checkpoint-2, metrics.jsonl, .*model.safetensors"):
+        make_trainer(tmp_path, max_steps=2, save_steps=1).train(
+            resume_from_checkpoint=str(out / "checkpoint-1"))
+    with pytest.warns(UserWarning, match=r"overwrite_output_dir deletes checkpoint-1, checkpoint-2, "
+                                         r"metrics.jsonl, .*model.safetensors"):
         make_trainer(tmp_path, max_steps=1, overwrite_output_dir=True).train()
     assert all(os.path.exists(out / name) for name in USERS_FILES)
     assert (out / "vocab.json").read_text() == "the user's"
     listed = json.loads((out / "final_model_files.json").read_text())
-    assert sorted(n for n in os.listdir(out) if not n.startswith("rolled-back-to-")) == sorted(["checkpoint-1", "metrics.jsonl", "final_model_files.json", *listed,
-                                              *(name.rstrip("/") for name in USERS_FILES)])
+    assert (sorted(n for n in os.listdir(out) if not n.startswith("rolled-back-to-"))
+            == sorted(["checkpoint-1", "metrics.jsonl", "final_model_files.json", *listed,
+                       *(name.rstrip("/") for name in USERS_FILES)]))
 
 
 def test_a_resume_path_that_is_no_checkpoint_folder_deletes_nothing_even_with_overwrite(tmp_path):
-    """resume_from_checkpoint naming a file (trainer_state.pt) or output_dir itself, with overwrite_output_dir:
-    the checkpoint is inside output_dir, so nothing there is another run's to delete; the path is refused."""
+    """resume_from_checkpoint naming a file (trainer_state.pt) or output_dir itself, with
+    overwrite_output_dir: the checkpoint is inside output_dir, so nothing there is another run's to delete;
+    the path is refused."""
     make_trainer(tmp_path, max_steps=2, save_steps=1).train()
     before = sorted(os.listdir(tmp_path / "out"))
     for path in (tmp_path / "out" / "checkpoint-2" / "trainer_state.pt", tmp_path / "out"):
         with pytest.raises(ValueError, match="is not a checkpoint"):
-            make_trainer(tmp_path, max_steps=3, overwrite_output_dir=True).train(resume_from_checkpoint=str(path))
+            make_trainer(tmp_path, max_steps=3, overwrite_output_dir=True).train(
+                resume_from_checkpoint=str(path))
         assert sorted(os.listdir(tmp_path / "out")) == before
 
 
@@ -1663,7 +1711,8 @@ def test_a_refused_start_leaves_output_dir_unlocked(tmp_path):
     make_trainer(tmp_path).train()
 
 
-def test_a_full_disk_names_output_dir_and_its_free_space_and_keeps_the_earlier_checkpoints(tmp_path, monkeypatch):
+def test_a_full_disk_names_output_dir_and_its_free_space_and_keeps_the_earlier_checkpoints(tmp_path,
+                                                                                           monkeypatch):
     """torch.save into a full disk fails with `unexpected pos …` and no path. The error names output_dir and
     the space left there, the unfinished checkpoint-2.tmp is removed (it frees what it took), checkpoint-1
     stays, and the run resumes from it once there is room."""
@@ -1722,14 +1771,16 @@ def test_a_checkpoint_whose_weights_are_a_pickle_names_the_missing_safetensors_f
     names the file that is missing, not one that is not there as if it were corrupt."""
     make_trainer(tmp_path, max_steps=1, save_steps=1).train()
     checkpoint = tmp_path / "out" / "checkpoint-1"
-    torch.save(safetensors.torch.load_file(checkpoint / "model.safetensors"), checkpoint / "pytorch_model.bin")
+    torch.save(safetensors.torch.load_file(checkpoint / "model.safetensors"),
+               checkpoint / "pytorch_model.bin")
     os.remove(checkpoint / "model.safetensors")
     with pytest.raises(ValueError, match=r"checkpoint-1/model.safetensors is missing"):
         make_trainer(tmp_path, max_steps=2).train(resume_from_checkpoint=True)
 
 
 @pytest.mark.parametrize("other,match", [
-    (dict(intermediate_size=128), r"mlp.down_proj.weight', \(32, 64\), \(32, 128\)"),  # (name, file's, model's)
+    # (name, file's, model's)
+    (dict(intermediate_size=128), r"mlp.down_proj.weight', \(32, 64\), \(32, 128\)"),
     (dict(num_hidden_layers=3), r"layers.2.input_layernorm.weight', None, \(32,\)")], ids=["wider", "deeper"])
 def test_a_checkpoint_of_another_model_size_is_named_before_any_weight_loads(tmp_path, other, match):
     """load_state_dict would copy the tensors that fit before it raised on the first that does not (another
@@ -1741,7 +1792,8 @@ def test_a_checkpoint_of_another_model_size_is_named_before_any_weight_loads(tmp
     model = LlamaForCausalLM(LlamaConfig(**{**model.config.to_dict(), **other}))
     before = {k: v.clone() for k, v in model.state_dict().items()}
     with pytest.raises(ValueError, match=r"checkpoint-1/model.safetensors is another model's .*" + match):
-        make_trainer(tmp_path, model=model, tokenizer=tokenizer, max_steps=2).train(resume_from_checkpoint=True)
+        make_trainer(tmp_path, model=model, tokenizer=tokenizer, max_steps=2).train(
+            resume_from_checkpoint=True)
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
 
 
@@ -1803,9 +1855,10 @@ def test_config_values_given_as_strings_are_converted():
     assert GRPOConfig(bf16="false").bf16 is False
 
 
-@pytest.mark.parametrize("field,value", [("learning_rate", "fast"), ("max_steps", 2.5), ("temperature", math.inf),
-                                         ("learning_rate", math.nan), ("reward_weights", ["1"]),
-                                         ("reward_weights", [math.nan]), ("reward_weights", [math.inf])])
+@pytest.mark.parametrize("field,value", [("learning_rate", "fast"), ("max_steps", 2.5),
+                                         ("temperature", math.inf), ("learning_rate", math.nan),
+                                         ("reward_weights", ["1"]), ("reward_weights", [math.nan]),
+                                         ("reward_weights", [math.inf])])
 def test_config_values_that_cannot_be_used_are_rejected(field, value):
     """Rejected when the config is made, by name: not a late TypeError, a truncation or a NaN loss."""
     with pytest.raises(ValueError, match=field):
@@ -1857,7 +1910,8 @@ def test_more_torchrun_processes_than_gpus_are_refused_by_name(monkeypatch):
     device ordinal' from deep inside set_device, or NCCL hangs with two ranks on one GPU."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    monkeypatch.setenv("RANK", "1"), monkeypatch.setenv("WORLD_SIZE", "2"), monkeypatch.setenv("LOCAL_RANK", "1")
+    (monkeypatch.setenv("RANK", "1"), monkeypatch.setenv("WORLD_SIZE", "2"),
+     monkeypatch.setenv("LOCAL_RANK", "1"))
     with pytest.raises(ValueError, match="LOCAL_RANK=1 but 1 GPUs are visible"):
         gm.init_distributed()
 
@@ -1891,7 +1945,8 @@ def test_metrics_jsonl_is_strict_json_with_null_where_a_reward_never_applied(tmp
         raise ValueError(f"{constant} is not JSON")
     row = json.loads(open(tmp_path / "out" / "metrics.jsonl").readline(), parse_constant=refuse)
     assert row["rewards/never_applies"] is None and row["rewards/short_is_good"] >= 0
-    assert gm.strict_json({"step": 2, "run": "a", "grad_norm": math.inf}) == '{"step": 2, "run": "a", "grad_norm": null}'
+    assert (gm.strict_json({"step": 2, "run": "a", "grad_norm": math.inf})
+            == '{"step": 2, "run": "a", "grad_norm": null}')
 
 
 def test_the_health_metrics_count_flat_groups_and_truncated_completions(tmp_path):
@@ -1935,9 +1990,11 @@ def test_masked_truncated_completions_leave_the_loss_and_still_shape_their_group
 
 def test_reward_functions_with_the_same_name_keep_a_metric_each(tmp_path):
     """Two lambdas (or two closures of one factory) are both named "<lambda>": numbered, not merged."""
-    ones, twos = (lambda completions, **kw: [1.0] * len(completions)), (lambda completions, **kw: [2.0] * len(completions))
+    ones, twos = ((lambda completions, **kw: [1.0] * len(completions)),
+                  (lambda completions, **kw: [2.0] * len(completions)))
     _, metrics = make_trainer(tmp_path, reward_funcs=[ones, twos]).generate_and_score(0)
-    assert (metrics["rewards/<lambda>_1"], metrics["rewards/<lambda>_2"], metrics["reward"]) == (1.0, 2.0, 3.0)
+    assert ((metrics["rewards/<lambda>_1"], metrics["rewards/<lambda>_2"], metrics["reward"])
+            == (1.0, 2.0, 3.0))
 
 
 def test_the_entropy_metric_is_the_policys_entropy_over_the_losss_tokens(tmp_path):
@@ -1966,7 +2023,8 @@ def test_a_folder_named_like_a_checkpoint_with_other_digits_is_not_one(tmp_path)
     """str.isdigit() takes '²' (and int() then fails): only checkpoint-<decimal digits> folders count."""
     for name in ("checkpoint-2", "checkpoint-²", "checkpoint-10", "checkpoint-x"):
         (tmp_path / name).mkdir()
-    assert [os.path.basename(c) for c in gm.list_checkpoints(str(tmp_path))] == ["checkpoint-2", "checkpoint-10"]
+    assert ([os.path.basename(c) for c in gm.list_checkpoints(str(tmp_path))]
+            == ["checkpoint-2", "checkpoint-10"])
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -2015,7 +2073,8 @@ def test_with_lora_only_the_adapter_trains_and_the_base_weights_stay_bit_identic
 def parameter_bytes(trainer):
     """The bytes of the weights that the trainer's attributes reach (policy, reference), each storage once."""
     modules = [v for v in vars(trainer).values() if isinstance(v, torch.nn.Module)]
-    storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for m in modules for p in m.parameters()}
+    storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes()
+                for m in modules for p in m.parameters()}
     return sum(storages.values())
 
 
@@ -2025,11 +2084,13 @@ def test_with_lora_the_reference_model_is_the_base_model_and_no_copy_of_the_weig
     full, full_kl = (parameter_bytes(make_trainer(tmp_path, beta=beta)) for beta in (0.0, 0.1))
     assert full_kl >= 2 * full
     tokenizer = make_tokenizer()
-    lora_only, lora_kl = (make_trainer(tmp_path, tokenizer=tokenizer, beta=beta, peft_config=lora(), max_steps=2)
+    lora_only, lora_kl = (make_trainer(tmp_path, tokenizer=tokenizer, beta=beta, peft_config=lora(),
+                                       max_steps=2)
                           for beta in (0.0, 0.1))
     assert parameter_bytes(lora_kl) == parameter_bytes(lora_only) < full * 1.1
     lora_kl.train()  # step 2's generation batch comes after step 1's update: the adapter is no longer 0
-    batch, base = lora_kl.batch, make_model(tokenizer)  # the base: make_model's weights, as the adapter found them
+    # the base: make_model's weights, as the adapter found them
+    batch, base = lora_kl.batch, make_model(tokenizer)
     assert torch.equal(batch["ref_logps"], gm.cached_logps(lora_kl, base, batch))
     assert not torch.equal(batch["ref_logps"], gm.cached_logps(lora_kl, lora_kl.model, batch))
 
@@ -2041,9 +2102,10 @@ def test_a_lora_run_resumes_bit_identically_from_a_checkpoint_inside_a_mu_cycle(
     setup = (dict(peft_config=lora()) if how == "peft_config" else
              dict(model=lambda tokenizer: peft.get_peft_model(make_model(tokenizer), lora())))
     uninterrupted = run_to_end(tmp_path, "a", **setup)
-    assert sorted(os.listdir(tmp_path / "a" / "checkpoint-2")) == ["README.md", "adapter_config.json",
-                                                                   "adapter_model.safetensors", "trainer_state.pt"]
-    assert_same_run(uninterrupted, run_to_end(tmp_path, "b", resume=str(tmp_path / "a" / "checkpoint-2"), **setup))
+    assert (sorted(os.listdir(tmp_path / "a" / "checkpoint-2"))
+            == ["README.md", "adapter_config.json", "adapter_model.safetensors", "trainer_state.pt"])
+    assert_same_run(uninterrupted, run_to_end(tmp_path, "b", resume=str(tmp_path / "a" / "checkpoint-2"),
+                                              **setup))
 
 
 def test_an_adapter_checkpoint_of_other_modules_or_truncated_is_refused_by_name(tmp_path):
@@ -2056,7 +2118,8 @@ def test_an_adapter_checkpoint_of_other_modules_or_truncated_is_refused_by_name(
     damaged = tmp_path / "out" / "checkpoint-1" / "adapter_model.safetensors"
     damaged.write_bytes(damaged.read_bytes()[:100])
     with pytest.raises(ValueError, match=re.escape(str(damaged)) + ".*corrupt"):
-        make_trainer(tmp_path, save_steps=1, peft_config=lora()).train(resume_from_checkpoint=str(damaged.parent))
+        make_trainer(tmp_path, save_steps=1, peft_config=lora()).train(
+            resume_from_checkpoint=str(damaged.parent))
 
 
 def test_the_final_save_is_the_adapter_that_from_pretrained_puts_back_on_the_base(tmp_path):
@@ -2066,8 +2129,10 @@ def test_the_final_save_is_the_adapter_that_from_pretrained_puts_back_on_the_bas
     trainer = make_trainer(tmp_path, tokenizer=tokenizer, peft_config=lora()).train()
     out = tmp_path / "out"
     assert not (out / "model.safetensors").exists()  # the adapter alone: a few kB, not the model
-    assert {"adapter_config.json", "adapter_model.safetensors"} <= set(map(os.path.basename, gm.final_model_files(out)))
-    loaded = peft.PeftModel.from_pretrained(make_model(tokenizer), out)  # onto the base: make_model's weights again
+    assert ({"adapter_config.json", "adapter_model.safetensors"}
+            <= set(map(os.path.basename, gm.final_model_files(out))))
+    # onto the base: make_model's weights again
+    loaded = peft.PeftModel.from_pretrained(make_model(tokenizer), out)
     trained = dict(trainer.model.named_parameters())
     assert all(torch.equal(p, trained[n]) for n, p in loaded.named_parameters())
     assert AutoTokenizer.from_pretrained(out).get_vocab() == tokenizer.get_vocab()
@@ -2079,7 +2144,8 @@ def test_the_final_save_is_the_adapter_that_from_pretrained_puts_back_on_the_bas
     ("modules_to_save", "an adapter on lm_head"),
     ("prompt_tuning", "logits are not lm_head"),  # virtual tokens that per_token_logps would not see
     ("two_adapters", r"adapters \['default', 'second'\]")])
-def test_adapters_that_could_not_be_trained_checkpointed_or_saved_correctly_are_refused_by_name(tmp_path, setup, match):
+def test_adapters_that_could_not_be_trained_checkpointed_or_saved_correctly_are_refused_by_name(tmp_path,
+                                                                                                setup, match):
     peft = pytest.importorskip("peft")
     tokenizer = make_tokenizer()
     model, peft_config = make_model(tokenizer), None
@@ -2091,7 +2157,8 @@ def test_adapters_that_could_not_be_trained_checkpointed_or_saved_correctly_are_
     elif setup == "prompt_tuning":
         peft_config = peft.PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=2)
     else:
-        peft_config = lora(target_modules=["lm_head"]) if setup == "lm_head" else lora(modules_to_save=["lm_head"])
+        peft_config = (lora(target_modules=["lm_head"]) if setup == "lm_head"
+                       else lora(modules_to_save=["lm_head"]))
     with pytest.raises(ValueError, match=match):
         make_trainer(tmp_path, tokenizer=tokenizer, model=model, peft_config=peft_config)
 
@@ -2120,29 +2187,31 @@ print("peft imported:", "peft" in sys.modules)
 def test_peft_is_not_imported_unless_asked_for(tmp_path):
     """peft is optional: a run without an adapter (load, train, checkpoint, resume, save) never imports it."""
     pytest.importorskip("peft")  # else the test proves nothing
-    script = PEFT_IMPORTED.format(here=os.path.dirname(os.path.abspath(__file__)), folder=str(tmp_path / "tiny"),
-                                  tmp=str(tmp_path))
+    script = PEFT_IMPORTED.format(here=os.path.dirname(os.path.abspath(__file__)),
+                                  folder=str(tmp_path / "tiny"), tmp=str(tmp_path))
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert "peft imported: False" in result.stdout, result.stderr[-2000:]
 
 
-def test_model_init_kwargs_load_a_folder_in_bfloat16_where_a_float32_lora_adapter_trains(tmp_path, monkeypatch):
+def test_model_init_kwargs_load_a_folder_in_bfloat16_where_a_float32_lora_adapter_trains(tmp_path,
+                                                                                         monkeypatch):
     """The small-GPU setup: a 16-bit base model (model_init_kwargs, TRL's name; default: float32, whatever the
     folder holds), LoRA adapters in float32 (peft's default), and the loss and its normalizers in float32."""
     tokenizer, folder = make_tokenizer(), str(tmp_path / "tiny")
     make_model(tokenizer).to(torch.bfloat16).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     assert make_trainer(tmp_path, model=folder).model.dtype == torch.float32
-    assert GRPOConfig(model_init_kwargs='{"dtype": "bfloat16"}').model_init_kwargs == {"dtype": "bfloat16"}  # a flag
+    # a flag
+    assert GRPOConfig(model_init_kwargs='{"dtype": "bfloat16"}').model_init_kwargs == {"dtype": "bfloat16"}
     dtypes, grpo_loss = set(), gm.grpo_loss
     def recording_loss(logps, old_logps, ref_logps, advantages, mask, args, num_seqs, num_tokens):
         loss, stats = grpo_loss(logps, old_logps, ref_logps, advantages, mask, args, num_seqs, num_tokens)
         dtypes.update(x.dtype for x in (logps, old_logps, ref_logps, advantages, num_seqs, num_tokens, loss))
         return loss, stats
     monkeypatch.setattr(gm, "grpo_loss", recording_loss)
-    trainer = make_trainer(tmp_path, model=folder, model_init_kwargs={"dtype": "bfloat16"}, peft_config=lora(),
-                           beta=0.1, num_iterations=2, max_steps=3)
+    trainer = make_trainer(tmp_path, model=folder, model_init_kwargs={"dtype": "bfloat16"},
+                           peft_config=lora(), beta=0.1, num_iterations=2, max_steps=3)
     frozen = {p.dtype for p in trainer.model.parameters() if not p.requires_grad}
     adapter = [p for p in trainer.model.parameters() if p.requires_grad]
     assert frozen == {torch.bfloat16} and {p.dtype for p in adapter} == {torch.float32}
@@ -2161,7 +2230,8 @@ def test_16_bit_trainable_weights_are_refused_before_adamw_would_round_their_upd
         w = torch.full((1000,), 0.01, dtype=dtype, requires_grad=True)
         w.grad = torch.randn_like(w)
         torch.optim.AdamW([w], lr=1e-6).step()
-        assert (w != 0.01).float().mean() == moved  # bf16: every update rounded away; float32: every weight moved
+        # bf16: every update rounded away; float32: every weight moved
+        assert (w != 0.01).float().mean() == moved
     tokenizer = make_tokenizer()
     with pytest.raises(ValueError, match="trainable weights are torch.bfloat16.*float32"):
         make_trainer(tmp_path, tokenizer=tokenizer, model=make_model(tokenizer).to(torch.bfloat16))
@@ -2198,11 +2268,13 @@ def test_resuming_a_checkpoint_whose_config_asks_to_run_code_runs_nothing(tmp_pa
     make_trainer(tmp_path, max_steps=2, save_steps=1).train()
     marker = tmp_path / "ran"
     asks_to_run_code(tmp_path / "out" / "checkpoint-1", marker)
-    make_trainer(tmp_path, max_steps=2, save_steps=1).train(resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-1"))
+    make_trainer(tmp_path, max_steps=2, save_steps=1).train(
+        resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-1"))
     assert not marker.exists()
 
 
-@pytest.mark.parametrize("name,adapter", [("config.json", False), ("tokenizer.json", False), ("README.md", True)])
+@pytest.mark.parametrize("name,adapter", [("config.json", False), ("tokenizer.json", False),
+                                          ("README.md", True)])
 def test_the_final_save_never_overwrites_a_users_file_unless_overwrite_is_asked(tmp_path, name, adapter):
     out = tmp_path / "out"
     out.mkdir()
@@ -2230,7 +2302,8 @@ def fails_at_call(n):
 def test_the_metrics_of_steps_since_the_last_row_survive_a_checkpoint(tmp_path):
     """logging_steps = 3, a failure in step 5: checkpoint-4 holds step 4's metrics, which no row has yet.
     The resumed run's rows equal an uninterrupted run's: every step's metrics in exactly one row."""
-    config = dict(max_steps=6, logging_steps=3, save_steps=100, gradient_accumulation_steps=1, steps_per_generation=2)
+    config = dict(max_steps=6, logging_steps=3, save_steps=100, gradient_accumulation_steps=1,
+                  steps_per_generation=2)
     make_trainer(tmp_path / "a", **config).train()
     with pytest.raises(RuntimeError, match="reward server"):
         make_trainer(tmp_path / "b", reward_funcs=fails_at_call(3), **config).train()  # generation 3: step 5
@@ -2246,7 +2319,8 @@ def test_a_checkpoint_with_a_weight_missing_is_refused_by_name(tmp_path):
     weights = safetensors.torch.load_file(file)
     del weights["model.layers.0.mlp.up_proj.weight"]
     safetensors.torch.save_file(weights, file)
-    with pytest.raises(ValueError, match=r"another model's .*'model.layers.0.mlp.up_proj.weight', None, \(64, 32\)"):
+    with pytest.raises(ValueError,
+                       match=r"another model's .*'model.layers.0.mlp.up_proj.weight', None, \(64, 32\)"):
         make_trainer(tmp_path, max_steps=2).train(resume_from_checkpoint=str(file.parent))
 
 
@@ -2260,7 +2334,8 @@ def edit_trainer_state(path, edit):
     (lambda s: s["optimizer"]["state"].pop(0), "has the moments of 20 of the 21 saved"),
     (lambda s: s["optimizer"]["param_groups"][0]["params"].pop(), r"is for weights \[20\] \(per group\)"),
     (lambda s: s.pop("ranks"), r"lacks \['ranks'\]"),
-    (lambda s: s["ranks"][0]["rng"].update(torch=torch.zeros(7, dtype=torch.uint8)), "random number states are garbled"),
+    (lambda s: s["ranks"][0]["rng"].update(torch=torch.zeros(7, dtype=torch.uint8)),
+     "random number states are garbled"),
 ])
 def test_a_tampered_trainer_state_is_refused_before_anything_loads(tmp_path, edit, match):
     make_trainer(tmp_path, max_steps=2, save_steps=1).train()
@@ -2310,13 +2385,16 @@ def test_the_lora_initialisation_follows_the_seed(tmp_path):
 def test_a_changed_lora_config_is_refused_on_resume(tmp_path):
     make_trainer(tmp_path, peft_config=lora(), max_steps=2, save_steps=1).train()
     with pytest.raises(ValueError, match="adapter was made with another LoRA config"):
-        make_trainer(tmp_path, peft_config=lora(lora_alpha=32), max_steps=2).train(resume_from_checkpoint=True)
+        make_trainer(tmp_path, peft_config=lora(lora_alpha=32), max_steps=2).train(
+            resume_from_checkpoint=True)
 
 
 def test_a_lora_adapter_checkpoint_resumed_into_a_full_model_run_says_so(tmp_path):
     make_trainer(tmp_path, peft_config=lora(), max_steps=2, save_steps=1).train()
-    with pytest.raises(ValueError, match="holds adapter_model.safetensors: a run that trained a LoRA adapter wrote it"):
-        make_trainer(tmp_path, max_steps=2).train(resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-1"))
+    with pytest.raises(ValueError,
+                       match="holds adapter_model.safetensors: a run that trained a LoRA adapter wrote it"):
+        make_trainer(tmp_path, max_steps=2).train(
+            resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-1"))
 
 
 def zero_dim_numpy(completions, **kw):
@@ -2331,9 +2409,10 @@ def huge_int(completions, **kw):
     return [10**400] * len(completions)
 
 
-@pytest.mark.parametrize("func,error,match", [(zero_dim_numpy, TypeError, "'zero_dim_numpy' returned a ndarray"),
-                                              (zero_dim_tensor, TypeError, "'zero_dim_tensor' returned a Tensor"),
-                                              (huge_int, ValueError, "'huge_int' returned 1000000.*finite in float32")])
+@pytest.mark.parametrize("func,error,match", [
+    (zero_dim_numpy, TypeError, "'zero_dim_numpy' returned a ndarray"),
+    (zero_dim_tensor, TypeError, "'zero_dim_tensor' returned a Tensor"),
+    (huge_int, ValueError, "'huge_int' returned 1000000.*finite in float32")])
 def test_rewards_of_no_length_or_past_float32_name_the_function(tmp_path, func, error, match):
     with pytest.raises(error, match=match):
         make_trainer(tmp_path, reward_funcs=func).train()
@@ -2350,7 +2429,8 @@ def test_an_older_transformers_is_refused_at_import_with_both_versions():
     code = "import transformers; transformers.__version__ = '5.10.0'; import grpo_multistep"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                             cwd=os.path.dirname(os.path.abspath(__file__)))
-    assert result.returncode != 0 and "needs transformers >= 5.24 (the requirements' range), found 5.10.0" in result.stderr
+    assert (result.returncode != 0
+            and "needs transformers >= 5.24 (the requirements' range), found 5.10.0" in result.stderr)
 
 
 def test_lora_on_the_input_embeddings_trains(tmp_path):
@@ -2363,7 +2443,8 @@ def test_lora_on_the_input_embeddings_trains(tmp_path):
 def test_a_peft_model_whose_only_adapter_is_not_named_default_is_refused_truly(tmp_path):
     peft = pytest.importorskip("peft")
     model = peft.get_peft_model(make_model(make_tokenizer()), lora(), adapter_name="mine")
-    with pytest.raises(ValueError, match=r"adapters \['mine'\] are outside a PeftModel .*or not one named 'default'"):
+    with pytest.raises(ValueError,
+                       match=r"adapters \['mine'\] are outside a PeftModel .*or not one named 'default'"):
         make_trainer(tmp_path, model=model)
 
 
