@@ -14,10 +14,12 @@ backward, attention masks, cos/sin, prompts and metrics (kilobytes to a few MB),
 slack, kernels' workspaces. Prompts are max_prompt_length long, completions max_completion_length (no EOS):
 the worst case, the one that random weights produce.
 """
+import dataclasses
 import importlib.util
 import math
 
 import torch
+import transformers
 
 CHUNK = 256  # grpo_multistep.CHUNK: the LM head's tokens per chunk (not imported: no trainer needed)
 
@@ -150,7 +152,6 @@ def estimate_step_memory(config, args, world_size=1, lora_params=None, base_dtyp
     return {**t, **{f"phase_{k}": v for k, v in phases.items()}, "peak": max(phases.values())}
 
 
-
 # ---- The demo on a GPU: what fits its free memory, chosen before anything loads (train_tldr.py) ----------
 SPARE, GIB = 1.1, 2**30  # SPARE, an assumption: PyTorch's caching allocator reserves more than it allocates
 
@@ -175,12 +176,12 @@ def fit_gpu(args, lora_rank, model, world_size=1, free=None):
     config. free: bytes (None: cuda_free_bytes()). --lora given: that adapter, with checkpointing if need
     be. Under torchrun (world_size > 1) the run is checked, never changed: each rank reads its own GPU, and
     ranks that chose differently would train different models."""
-    import dataclasses
-    import transformers
     replace, kwargs = dataclasses.replace, args.model_init_kwargs or {}
     remote = bool(kwargs.get("trust_remote_code"))  # as the trainer will load it
-    config = model if isinstance(model, transformers.PretrainedConfig) else \
-        transformers.AutoConfig.from_pretrained(model, trust_remote_code=remote)
+    if isinstance(model, transformers.PretrainedConfig):
+        config = model
+    else:
+        config = transformers.AutoConfig.from_pretrained(model, trust_remote_code=remote)
     lora = replace(args, bf16=True, model_init_kwargs={**kwargs, "dtype": "bfloat16"})
     options = [("as given", args, lora_rank)]
     if not args.gradient_checkpointing:
@@ -201,13 +202,15 @@ def fit_gpu(args, lora_rank, model, world_size=1, free=None):
             print(f"GPU: {free / GIB:.1f} GiB free; a step's estimated peak (experiments/memory_model.py, "
                   f"not measured on a GPU): {needs}; running {name}", flush=True)
             return option, rank
-    hint = "; under torchrun nothing is changed for you: add --gradient_checkpointing True or --lora"
+    hint = ""
+    if world_size > 1:
+        hint = "; under torchrun nothing is changed for you: add --gradient_checkpointing True or --lora"
+    elif lora_rank is None and not importlib.util.find_spec("peft"):
+        hint = "; with peft installed (pip install peft), LoRA is tried too"
     raise SystemExit(f"error: the GPU has {free / GIB:.1f} GiB free, and no way of running this fits "
                      f"with {SPARE - 1:.0%} to spare (a step's estimated peak: {needs}): lower "
                      "--per_device_train_batch_size (more --gradient_accumulation_steps keep the step's "
-                     f"size) or --max_completion_length, or choose a smaller --model"
-                     + (hint if world_size > 1 else "" if lora_rank or importlib.util.find_spec("peft") else
-                        "; with peft installed (pip install peft), LoRA is tried too"))
+                     f"size) or --max_completion_length, or choose a smaller --model{hint}")
 
 
 def fit_demo(args, opts):  # train_tldr.py's: its --model, --lora and torchrun's world size
@@ -218,16 +221,16 @@ def fit_demo(args, opts):  # train_tldr.py's: its --model, --lora and torchrun's
 if __name__ == "__main__":  # python experiments/memory_model.py [FREE_GIB ...]: the demo's choice for pr2899
     import os, sys
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # the repository
-    import transformers
     import train_tldr
     from experiments.measure_memory import QWEN25_05B
-    config, opts = train_tldr.parse_args(["--preset", "pr2899"])
-    if not sys.argv[1:] and not torch.cuda.is_available():
+    config, _ = train_tldr.parse_args(["--preset", "pr2899"])
+    qwen = transformers.AutoConfig.for_model(**QWEN25_05B)
+    figures = sys.argv[1:] or ([None] if torch.cuda.is_available() else [])  # None: this GPU's free memory
+    if not figures:
         print("no GPU here: give free memory figures in GiB")
-    for gib in sys.argv[1:] or ([None] if torch.cuda.is_available() else []):  # none: this GPU's free memory
-        print(f"{gib} GiB free:" if gib else "this GPU:", end=" ")
+    for gib in figures:
+        print("this GPU:" if gib is None else f"{gib} GiB free:", end=" ")
         try:
-            qwen = transformers.AutoConfig.for_model(**QWEN25_05B)
-            fit_gpu(config, None, qwen, free=gib and float(gib) * GIB)
+            fit_gpu(config, None, qwen, free=None if gib is None else float(gib) * GIB)
         except SystemExit as e:
             print(e)
