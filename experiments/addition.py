@@ -482,8 +482,7 @@ def code_version():
     """{"commit": HEAD, "code": a hash of the committed trainer, testbed and starting model}; refused while
     any of them has uncommitted changes: a row must name the code that made it."""
     dirty = git("status", "--porcelain", "--", *CODE)
-    gm.require(not dirty, f"uncommitted changes to the code that runs ({dirty.splitlines()[0].strip()}): "
-               "commit them first")
+    gm.require(not dirty, f"uncommitted changes to the code that runs: commit them first\n{dirty}")
     blobs = git("rev-parse", *[f"HEAD:{p}" for p in CODE])
     return {"commit": git("rev-parse", "HEAD"), "code": hashlib.sha1(blobs.encode()).hexdigest()[:12]}
 
