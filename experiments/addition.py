@@ -390,7 +390,9 @@ def append(path, row):
 # ---- The study: phases, rates, seeds (docs/addition/plan.md) ------------------------------------------
 # Every arm's first rates, a factor FACTOR apart; extended by FACTOR beyond an edge (at most MAX_RATES).
 GRID, FACTOR, MAX_RATES = (1.25e-5, 2.5e-5, 5e-5, 1e-4), 2.0, 8
-SEEDS = {"tune": (1, 2, 3), "confirm": tuple(range(101, 121))}
+# The bridge re-runs tuning seed 1 at the chosen rates with the confirmation's code: the same rows, or the
+# difference that a change of code between the phases made.
+SEEDS = {"tune": (1, 2, 3), "bridge": (1,), "confirm": tuple(range(101, 121))}
 SAME_RATE = {"μ=4 no clip": "μ=4"}  # confirmed at the other arm's chosen rate: the clip's effect alone
 
 
@@ -461,7 +463,7 @@ def chosen_rates(rows):
 
 def tasks(phase, rows):
     """The phase's runs (arm, lr, seed), seed by seed: a phase cut short has every arm at fewer seeds, not
-    some at none. Confirmation: one run per (arm, chosen rate, seed), read at every budget."""
+    some at none. Bridge and confirmation: one run per (arm, chosen rate, seed), read at every budget."""
     if phase == "tune":
         grids = {arm: tuning_grid(arm, rows) for arm in ARMS}
         return [(arm, lr, seed) for seed in SEEDS[phase] for arm in ARMS for lr in grids[arm]]
@@ -488,11 +490,11 @@ def code_version():
 
 
 def check_confirmation(rows, version):
-    """The confirmation phase runs after the plan is committed, at one version of the code throughout."""
+    """The bridge and the confirmation run after the plan is committed, at one version of the code."""
     plan = "docs/addition/plan.md"
     committed = git("ls-files", plan) and not git("status", "--porcelain", "--", plan)
     gm.require(committed, f"{plan} is not committed: the plan comes first")
-    codes = {r["code"] for r in rows if r["phase"] == "confirm"}
+    codes = {r["code"] for r in rows if r["phase"] in ("bridge", "confirm")}
     gm.require(codes <= {version["code"]}, f"the confirmation rows so far ran at code {sorted(codes)}, this "
                f"is {version['code']} (commit {version['commit'][:7]}): one phase, one version of the code")
 
@@ -514,44 +516,50 @@ def alive(pid):
     return True
 
 
-def claim_next(phase, rows_path, claims_path):
-    """The phase's first run that no attempt has finished and no live worker has claimed, now claimed by
-    this process; None when none is left; "wait" while another worker's runs may still add some (a grid
-    extended, an arm's tuning over)."""
+def claim_next(phases, rows_path, claims_path):
+    """(phase, arm, lr, seed): the first run of the phases, in order, that no attempt has finished and no
+    live worker has claimed, now claimed by this process; None when none is left; "wait" while another
+    worker's runs may still add some (a grid extended)."""
     with locked(claims_path + ".lock"):
         rows, claims = read(rows_path), read(claims_path)
-        done = {key[1:] for key in finished_runs(rows) if key[0] == phase}
-        busy = {(c["arm"], c["lr"], c["seed"]) for c in claims if c["phase"] == phase and alive(c["pid"])}
-        todo = [t for t in tasks(phase, rows) if t not in done | busy]
-        if todo:
-            arm, lr, seed = todo[0]
-            append(claims_path, {"phase": phase, "arm": arm, "lr": lr, "seed": seed, "pid": os.getpid()})
-            return todo[0]
-        if busy - done:
+        done = set(finished_runs(rows))
+        busy = {(c["phase"], c["arm"], c["lr"], c["seed"]) for c in claims if alive(c["pid"])} - done
+        for phase in phases:
+            todo = [(phase, *t) for t in tasks(phase, rows) if (phase, *t) not in done | busy]
+            if todo:
+                _, arm, lr, seed = todo[0]
+                append(claims_path, {"phase": phase, "arm": arm, "lr": lr, "seed": seed, "pid": os.getpid()})
+                return todo[0]
+        if busy:
             return "wait"
         return None
 
 
-def work(phase, worker, folder=ROWS):
-    """Run the phase's runs until none is left; another worker may share the folder."""
+def work(command, worker, folder=ROWS):
+    """Run the command's runs until none is left ("confirm": the bridge's, then the confirmation's);
+    another worker may share the folder."""
     version = code_version()
     rows_path, claims_path = os.path.join(folder, "rows.jsonl"), os.path.join(folder, "claims.jsonl")
     os.makedirs(folder, exist_ok=True)
-    if phase == "confirm":
+    phases = ["tune"]
+    if command == "confirm":
         check_confirmation(read(rows_path), version)
+        over = {arm for arm, _ in chosen_rates(read(rows_path))}
+        gm.require(over == set(ARMS), f"the tuning of {sorted(set(ARMS) - over)} is not over: run tune first")
+        phases = ["bridge", "confirm"]
     start, tokenizer = load_start()
     while True:
-        claimed = claim_next(phase, rows_path, claims_path)
+        claimed = claim_next(phases, rows_path, claims_path)
         if claimed is None:
             break
         if claimed == "wait":
             time.sleep(15)
             continue
-        arm, lr, seed = claimed
+        phase, arm, lr, seed = claimed
         print(f"worker {worker}: {phase} {arm} lr={lr:g} seed={seed}", flush=True)
         tags = {"phase": phase, "arm": arm, "lr": lr, "seed": seed, **version}
         run_one(tags, start, tokenizer, rows_path)
-    print(f"worker {worker}: no {phase} run is left", flush=True)
+    print(f"worker {worker}: no {' or '.join(phases)} run is left", flush=True)
 
 
 # ---- Commands ---------------------------------------------------------------------------------------------

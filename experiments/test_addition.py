@@ -1,0 +1,128 @@
+"""The addition testbed: the task's answers, the rewards' known values, the split, the starting model's
+accuracy, the metrics' two namings, the budget clock, the rate choice, and one short run's rows."""
+import json, os
+
+import pytest
+import torch
+
+from experiments import addition as ad
+
+
+def test_the_task_asks_a_sum_and_answers_its_digits():
+    assert ad.prompt(12, 34) == "12+34=" and ad.answer(12, 34) == "46"
+    assert ad.answer(99, 99) == "198" and ad.answer(0, 0) == "0" and ad.answer(5, 95) == "100"
+    tokenizer = ad.make_tokenizer()
+    ids = tokenizer(ad.prompt(7, 30))["input_ids"]
+    assert ids[0] == tokenizer.bos_token_id and len(ids) == 1 + len("7+30=")
+    answer = tokenizer(ad.answer(7, 30), add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    assert tokenizer.decode(answer, skip_special_tokens=True) == "37"
+
+
+def test_the_rewards_known_values():
+    completions = ["46", "47", "4", "461", "", "046"]
+    assert ad.exact_match(completions, ["46"] * 6) == [1.0, 0.0, 0.0, 0.0, 0.0, 0.0]
+    assert ad.digit_credit(completions, ["46"] * 6) == pytest.approx([1, 1 / 2, 1 / 2, 2 / 3, 0, 0])
+    assert ad.digit_credit(["198"], ["198"]) == [1.0]
+
+
+def test_the_held_out_split_is_disjoint_from_every_training_prompt():
+    parts = ad.split()
+    sets = {name: set(pairs) for name, pairs in parts.items()}
+    assert sum(map(len, sets.values())) == 100 * 100  # every ordered pair, once
+    assert not sets["held_out"] & sets["grpo"] and not sets["held_out"] & sets["supervised"]
+    assert not sets["grpo"] & sets["supervised"]
+    for pairs in sets.values():  # a pair's other order is in the same set
+        assert all((b, a) in pairs for a, b in pairs)
+    prompts = {name: {ad.prompt(a, b) for a, b in pairs} for name, pairs in parts.items()}
+    assert not prompts["held_out"] & (prompts["grpo"] | prompts["supervised"])
+    assert len(parts["held_out"]) == 495 and len(parts["grpo"]) == 1985
+
+
+def test_the_starting_model_scores_what_make_recorded():
+    model, tokenizer = ad.load_start()
+    with open(os.path.join(ad.MODEL, "start.json")) as f:
+        recorded = json.load(f)
+    scores = ad.held_out_scores(model, tokenizer, ad.split()["held_out"])
+    assert abs(scores["sampled"] - recorded["sampled"]) <= 0.02
+    assert abs(scores["greedy"] - recorded["greedy"]) <= 0.02
+
+
+def test_supervised_training_repeats_from_its_seed():
+    first, _ = ad.train_start(steps=3)
+    second, _ = ad.train_start(steps=3)
+    for (name, a), (_, b) in zip(first.state_dict().items(), second.state_dict().items()):
+        assert torch.equal(a, b), name
+
+
+def test_held_out_scoring_leaves_the_random_stream_alone():
+    model, tokenizer = ad.load_start()
+    pairs = ad.split()["held_out"][:20]
+    torch.manual_seed(7)
+    expected = torch.rand(3)
+    torch.manual_seed(7)
+    first = ad.accuracy(model, tokenizer, pairs)
+    assert torch.equal(torch.rand(3), expected)
+    assert ad.accuracy(model, tokenizer, pairs) == first  # the same seed every time
+
+
+def test_metrics_are_read_under_either_naming():
+    trl = {"clip_ratio/region_mean": 0.25, "completions/mean_length": 3.5, "reward": 0.5}
+    older = {"clip_ratio_low": 0.1, "clip_ratio_high": 0.15, "completion_length": 3.5, "reward": 0.5}
+    for metrics in (trl, older):
+        assert ad.metric(metrics, "clip") == pytest.approx(0.25)
+        assert ad.metric(metrics, "length") == 3.5 and ad.metric(metrics, "reward") == 0.5
+    assert ad.metric({"clip_ratio/low_mean": 0.1, "clip_ratio/high_mean": 0.2}, "clip") == pytest.approx(0.3)
+    assert ad.metric({"loss": 1.0}, "reward") is None
+
+
+def test_a_budget_is_spent_after_mu_steps_per_mini_batch():
+    assert [ad.steps_at(arm, 32) for arm in ("μ=1", "μ=2", "μ=4", "μ=8", "S=4")] == [32, 64, 128, 256, 32]
+    assert ad.cycle("S=4") == (4, 4) and ad.cycle("μ=8") == (1, 8) and ad.cycle("μ=4 no clip") == (1, 4)
+    with pytest.raises(ValueError, match="not whole generation batches of S=4"):
+        ad.steps_at("S=4", 6)
+
+
+def tuning_rows(arm, accuracy_by_lr):
+    """A finished tuning phase's rows for one arm: {lr: (accuracy at 32, at 128)}, the same on every seed."""
+    rows = []
+    for lr, (short, long) in accuracy_by_lr.items():
+        for seed in ad.SEEDS["tune"]:
+            for batches, acc in ((32, short), (128, long)):
+                rows.append({"phase": "tune", "arm": arm, "lr": lr, "seed": seed, "attempt": "a",
+                             "completions": batches * ad.STEP_SIZE, "accuracy": acc, "end": batches == 128})
+    return rows
+
+
+def test_a_grid_is_extended_beyond_an_edge_until_each_best_lies_inside():
+    lo, a, b, hi = ad.GRID
+    rows = tuning_rows("μ=1", {lo: (0.1, 0.1), a: (0.2, 0.3), b: (0.3, 0.2), hi: (0.4, 0.1)})
+    assert ad.tuning_grid("μ=1", rows) == sorted(ad.GRID + (hi * 2,))
+    assert ("μ=1", 32) not in ad.chosen_rates(rows)  # its best lies at an edge: not over
+    rows += tuning_rows("μ=1", {hi * 2: (0.35, 0.1)})
+    assert ad.tuning_grid("μ=1", rows) == sorted(ad.GRID + (hi * 2,))
+    chosen = ad.chosen_rates(rows)
+    assert chosen[("μ=1", 32)] == hi and chosen[("μ=1", 128)] == a
+    cut_short = rows[:-1]  # the last run has not ended: its rate is not complete
+    assert ("μ=1", 32) not in ad.chosen_rates(cut_short)
+
+
+def test_the_clip_off_arm_is_confirmed_at_the_clipped_arms_rates():
+    lo, a, b, hi = ad.GRID
+    rows = tuning_rows("μ=4", {lo: (0.1, 0.1), a: (0.3, 0.2), b: (0.2, 0.3), hi: (0.1, 0.1)})
+    rows += tuning_rows("μ=4 no clip", {lo: (0.1, 0.1), a: (0.1, 0.1), b: (0.2, 0.1), hi: (0.1, 0.1)})
+    chosen = ad.chosen_rates(rows)
+    assert chosen[("μ=4 no clip", 32)] == a and chosen[("μ=4 no clip", 128)] == b
+    assert ad.tasks("confirm", rows)[:4] == [("μ=4", a, 101), ("μ=4", b, 101), ("μ=4 no clip", a, 101),
+                                             ("μ=4 no clip", b, 101)]
+    assert ad.tasks("bridge", rows) == [("μ=4", a, 1), ("μ=4", b, 1), ("μ=4 no clip", a, 1),
+                                        ("μ=4 no clip", b, 1)]
+
+
+def test_one_short_run_writes_its_rows(tmp_path):
+    model, tokenizer = ad.load_start()
+    path = str(tmp_path / "rows.jsonl")
+    ad.run_one({"phase": "test", "arm": "μ=2", "lr": 1e-4, "seed": 1}, model, tokenizer, path, max_batches=4)
+    (row,) = ad.read(path)
+    assert (row["step"], row["completions"], row["end"]) == (8, 256, True)
+    assert row["kl"][0] == 0.0 and row["kl"][1] > 0.0 and row["clip"][0] == 0.0
+    assert 0.0 <= row["accuracy"] <= 1.0 and row["train_reward"] is not None
