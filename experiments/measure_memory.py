@@ -1,10 +1,14 @@
-"""Peak RSS of GRPO optimizer steps on this CPU, beside experiments/memory_model.py's estimate.
+"""Peak memory of GRPO optimizer steps (RSS; on a GPU also torch.cuda.max_memory_allocated), beside
+tldr_memory.py's estimate; or, with --fit, what train_tldr.py would run on a GPU with that much free memory.
 
-    nice -n 10 python experiments/measure_memory.py MODEL SHAPES [--steps N] [--gradient_checkpointing]
+    nice -n 10 python -m experiments.measure_memory MODEL SHAPES [--steps N] [--gradient_checkpointing]
+                                                   [--bf16]
+    python -m experiments.measure_memory MODEL SHAPES --fit [FREE_GIB ...]
 
 MODEL: qwen2.5-0.5b (Qwen2.5-0.5B's published config) or smollm2-135m (the config of the converted
-SmolLM2-135M-Instruct, train_tldr.py's, in ~/.cache/grpo_multistep or $GRPO_MULTISTEP_CACHE); SHAPES: a
-train_tldr.py preset's shapes, pr2899 or cpu.
+SmolLM2-135M-Instruct, tldr_offline.py's, in ~/.cache/grpo_multistep or $GRPO_MULTISTEP_CACHE); SHAPES: a
+train_tldr.py preset's shapes, pr2899 or cpu. --bf16: under bf16 autocast (float32 weights), as the demo runs
+on a GPU that supports it. --fit without figures: this GPU's free memory, in bf16 where it supports it.
 Each measurement is a fresh process (`measure`): it imports, builds a word-level tokenizer and the prompts,
 reads its RSS (the baseline: everything but the model), builds the model from the config with random
 weights (nothing is downloaded), trains N optimizer steps (save_steps large: the final save only, into a
@@ -16,11 +20,9 @@ longer than max_prompt_length, so they are cut to it.
 """
 import contextlib, functools, json, os, random, subprocess, sys, tempfile, threading, time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, ".."))  # the repository's root
-QWEN25_05B = dict(model_type="qwen2", hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
-                  num_attention_heads=14, num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True,
-                  max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6)
+import tldr_memory
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository's: -m finds the package
 SHAPES = ("num_generations", "per_device_train_batch_size", "gradient_accumulation_steps",
           "max_prompt_length", "max_completion_length", "beta", "temperature", "loss_type", "learning_rate")
 GIB = 2**30
@@ -28,9 +30,9 @@ GIB = 2**30
 
 def model_config(name):  # a dict that transformers.AutoConfig.for_model takes
     if name == "qwen2.5-0.5b":
-        return dict(QWEN25_05B)
-    import train_tldr
-    with open(os.path.join(train_tldr.smollm2_folder(), "config.json")) as f:  # converted once, if need be
+        return dict(tldr_memory.QWEN25_05B)
+    import tldr_offline
+    with open(os.path.join(tldr_offline.smollm2_folder(), "config.json")) as f:  # converted once, if need be
         config = json.load(f)
     keep = ("model_type hidden_size intermediate_size num_hidden_layers num_attention_heads "
             "num_key_value_heads head_dim vocab_size tie_word_embeddings max_position_embeddings "
@@ -47,8 +49,8 @@ def measure(config, args, steps=1, timeout=3600, env=None):
     """Run `steps` optimizer steps in a fresh process (env: more environment variables): {baseline, peak,
     phases, live (bytes), params, seconds}."""
     spec = json.dumps({"config": config, "args": args, "steps": steps})
-    out = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", spec], capture_output=True,
-                         text=True, timeout=timeout,
+    out = subprocess.run([sys.executable, "-m", "experiments.measure_memory", "--child", spec], cwd=ROOT,
+                         capture_output=True, text=True, timeout=timeout,
                          env={**os.environ, "TOKENIZERS_PARALLELISM": "false", **(env or {})})
     if out.returncode:
         raise RuntimeError(f"measurement failed ({out.returncode}):\n{out.stderr[-3000:]}")
@@ -149,29 +151,53 @@ def child(spec):
                       "seconds": time.perf_counter() - start, "torch": torch.__version__}))
 
 
+def fit(config, args, figures):
+    """What train_tldr.py would run on a GPU with each of these free GiB (none: this GPU's free memory, in
+    bf16 where it supports it), as it prints it."""
+    import torch
+    here = [None] if torch.cuda.is_available() else []  # None: this GPU
+    if not figures and not here:
+        print("no GPU here: give free memory figures in GiB")
+    for gib in figures or here:
+        print("this GPU:" if gib is None else f"{gib} GiB free:")
+        try:
+            if gib is None:
+                tldr_memory.on_cuda(args, None, config)
+            else:
+                tldr_memory.fit_gpu(args, None, config, free=float(gib) * tldr_memory.GIB)
+        except SystemExit as e:
+            print(e)
+
+
 def main(argv):
     import argparse
-    from experiments.memory_model import estimate_step_memory
     import transformers
     import grpo_multistep as gm
+    from tldr_memory import estimate_step_memory
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("model", choices=["qwen2.5-0.5b", "smollm2-135m"])
     parser.add_argument("shapes", choices=["pr2899", "cpu"])
     parser.add_argument("--steps", type=int, default=1)
     parser.add_argument("--gradient_checkpointing", action="store_true")
+    parser.add_argument("--bf16", action="store_true", help="bf16 autocast over float32 weights")
+    parser.add_argument("--fit", type=float, nargs="*", metavar="FREE_GIB", help="print what train_tldr.py "
+                        "would run with this much free GPU memory (none given: this GPU's), measure nothing")
     parser.add_argument("--mmap-threshold", type=int, metavar="BYTES", help="glibc's MALLOC_MMAP_THRESHOLD_: "
                         "fixed, so that freed blocks above it go back to the system (default: glibc's own)")
     opts = parser.parse_args(argv)
     config = model_config(opts.model)
-    args = shapes(opts.shapes, **({"gradient_checkpointing": True} if opts.gradient_checkpointing else {}))
+    args = shapes(opts.shapes, gradient_checkpointing=opts.gradient_checkpointing, bf16=opts.bf16)
+    if opts.fit is not None:
+        return fit(transformers.AutoConfig.for_model(**config), gm.GRPOConfig(**args), opts.fit)
     env = {"MALLOC_MMAP_THRESHOLD_": str(opts.mmap_threshold)} if opts.mmap_threshold else {}
     result = measure(config, args, opts.steps, env=env)
     model_config_, grpo_config = transformers.AutoConfig.for_model(**config), gm.GRPOConfig(**args)
     estimate, live = (estimate_step_memory(model_config_, grpo_config, baseline=result["baseline"],
                                            first_step=opts.steps == 1, device=device)
                       for device in ("cpu", "none"))  # "none": without the CPU allocator's retention
-    print(f"{opts.model}, {opts.shapes} shapes, {opts.steps} step(s), torch {result['torch']}, "
+    print(f"{opts.model}, {opts.shapes} shapes{', bf16 autocast' * opts.bf16}, {opts.steps} step(s), torch "
+          f"{result['torch']}, "
           f"{os.cpu_count()} cores, {result['seconds']:.0f} s; {result['params']:,} parameters")
     print("measured peak RSS by phase (GiB): " + ", ".join(f"{k} {v / GIB:.2f}"
                                                            for k, v in result["phases"].items()))

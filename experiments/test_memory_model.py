@@ -1,20 +1,17 @@
-"""Tests of experiments/memory_model.py: known answers (parameter counts against the models themselves, the
-saved activations against autograd's own count, the terms that a switch adds or removes) and one optimizer
-step of a small random model in a fresh process, its peak RSS against the estimate. About 30 s on 2 cores
-(the steps' processes: 25 s of it)."""
+"""Tests of tldr_memory.py, train_tldr.py's memory model: known answers (parameter counts against the models
+themselves, the saved activations against autograd's own count, the terms that a switch adds or removes), one
+optimizer step of a small random model in a fresh process, its peak RSS against the estimate, and
+measure_memory's --fit. About 30 s on 2 cores (the steps' processes: 25 s of it)."""
 import math
 import os
-import sys
 
 import pytest
 import torch
 import transformers
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-import grpo_multistep as gm  # noqa: E402
-from experiments import measure_memory  # noqa: E402
-from experiments.memory_model import (activation_bytes, estimate_step_memory, lora_param_count,  # noqa: E402
-                                      param_count)
+import grpo_multistep as gm
+from experiments import measure_memory
+from tldr_memory import QWEN25_05B, activation_bytes, estimate_step_memory, lora_param_count, param_count
 
 SMALL = dict(model_type="llama", hidden_size=256, intermediate_size=1024, num_hidden_layers=4,
              num_attention_heads=4, num_key_value_heads=2, vocab_size=49152, tie_word_embeddings=True,
@@ -32,7 +29,7 @@ def build(config):  # a model on the meta device: its parameters' shapes, no mem
         return transformers.AutoModelForCausalLM.from_config(config)
 
 
-CONFIGS = {"qwen2.5-0.5b": lambda: measure_memory.QWEN25_05B,
+CONFIGS = {"qwen2.5-0.5b": lambda: QWEN25_05B,
            "smollm2-135m": lambda: measure_memory.model_config("smollm2-135m"),  # (converted once, at need)
            "llama-untied-biases": lambda: {**SMALL, "tie_word_embeddings": False, "attention_bias": True,
                                            "mlp_bias": True},
@@ -143,8 +140,16 @@ def test_on_a_gpu_the_report_puts_the_cuda_estimate_beside_max_memory_allocated(
     monkeypatch.setattr(measure_memory, "measure", lambda *args, **kwargs: fake)
     measure_memory.main(["qwen2.5-0.5b", "pr2899"])
     out = capsys.readouterr().out
-    config = transformers.AutoConfig.for_model(**measure_memory.QWEN25_05B)
+    config = transformers.AutoConfig.for_model(**QWEN25_05B)
     cuda = estimate_step_memory(config, gm.GRPOConfig(**measure_memory.shapes("pr2899")), first_step=True,
                                 device="cuda")
     assert f"max_memory_allocated 10.00 GiB; estimate {cuda['peak'] / 2**30:.2f} GiB" in out
     assert cuda["retention"] == 0 and cuda["baseline"] == 0
+
+
+def test_the_fit_says_what_the_demo_would_run_with_so_much_free_memory(capsys):
+    """--fit: train_tldr.py's choice at the pr2899 shapes, as the demo prints it on a GPU (here: figures)."""
+    measure_memory.main(["qwen2.5-0.5b", "pr2899", "--bf16", "--fit", "7.5", "15.5"])
+    out = capsys.readouterr().out
+    assert "7.5 GiB free:" in out and "GPU: running LoRA (rank 16) on bfloat16 weights" in out
+    assert "15.5 GiB free:" in out and "GPU: running as given" in out

@@ -1,4 +1,5 @@
-"""A memory model of one GRPO optimizer step of grpo_multistep.py, from a model config and a GRPOConfig.
+"""train_tldr.py's memory model: one GRPO optimizer step of grpo_multistep.py, from a model config and a
+GRPOConfig, and fit_gpu, which chooses how the demo runs on a GPU's free memory before anything loads.
 
 estimate_step_memory(config, args, ...) returns named terms in bytes and the peak: the largest of the phases'
 totals (generation, training forward and backward, the all-reduce, AdamW's step), each the sum of what is
@@ -22,6 +23,14 @@ import torch
 import transformers
 
 CHUNK = 256  # grpo_multistep.CHUNK: the LM head's tokens per chunk (not imported: no trainer needed)
+# Qwen2.5-0.5B's published config, the pr2899 preset's model: estimates without a download
+QWEN25_05B = dict(model_type="qwen2", hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                  num_attention_heads=14, num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True,
+                  max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6)
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")  # train_tldr.py's adapter: the attention projections
+# A LoRA adapter's learning rate: 10 times the whole model's, as TRL's "LoRA Without Regret" guide runs GRPO
+# (1e-5 against 1e-6), after Schulman et al. 2025, whose best LoRA rates were about 10 times full fine-tuning.
+LORA_RATE_FACTOR = 10
 
 
 def dims(config):
@@ -47,7 +56,7 @@ def linear_param_count(config):  # the weights that bf16 autocast casts (and cac
     return L * (2 * H * heads * d + 2 * H * kv * d + 3 * H * I) + V * H
 
 
-def lora_param_count(config, rank=16, targets=("q_proj", "k_proj", "v_proj", "o_proj")):
+def lora_param_count(config, rank=16, targets=LORA_TARGETS):
     """A LoRA adapter's parameters: rank × (in + out) per targeted projection and layer."""
     H, I, L, V, heads, kv, d = dims(config)
     shapes = dict(q_proj=(H, heads * d), k_proj=(H, kv * d), v_proj=(H, kv * d), o_proj=(heads * d, H),
@@ -153,7 +162,8 @@ def estimate_step_memory(config, args, world_size=1, lora_params=None, base_dtyp
 
 
 # ---- The demo on a GPU: what fits its free memory, chosen before anything loads (train_tldr.py) ----------
-SPARE, GIB = 1.1, 2**30  # SPARE, an assumption: PyTorch's caching allocator reserves more than it allocates
+# The estimate times MARGIN must fit: the caching allocator reserves more than it allocates (an assumption).
+MARGIN, GIB = 1.1, 2**30
 
 
 def cuda_free_bytes():  # the GPU's free memory, its CUDA context already taken: the one place that reads it
@@ -168,28 +178,66 @@ def cuda_peak(config, args, lora_rank, world_size):  # a step after the first (A
     return estimate_step_memory(config, args, world_size, lora_params, dtype, device="cuda")["peak"]
 
 
-def fit_gpu(args, lora_rank, model, world_size=1, free=None):
-    """(args, lora_rank): the first of these whose estimated peak, with SPARE to spare, fits the GPU's free
-    memory: the run as given; with gradient checkpointing (the same updates, more time); a LoRA adapter of
-    rank 16 (train_tldr.py's --lora) on bfloat16 base weights under bf16 autocast; that with checkpointing.
-    None fits: SystemExit, naming what to set. model: a folder or hub id (only its config is read), or a
-    config. free: bytes (None: cuda_free_bytes()). --lora given: that adapter, with checkpointing if need
-    be. Under torchrun (world_size > 1) the run is checked, never changed: each rank reads its own GPU, and
-    ranks that chose differently would train different models."""
-    replace, kwargs = dataclasses.replace, args.model_init_kwargs or {}
-    remote = bool(kwargs.get("trust_remote_code"))  # as the trainer will load it
+def flags(args, lora_rank, *more):  # the train_tldr.py flags that choose this way of running
+    return " ".join(["--gradient_checkpointing True"] * args.gradient_checkpointing
+                    + [f"--lora {lora_rank}"] * (lora_rank is not None) + list(more))
+
+
+def lora_weights(args):  # an adapter's frozen base: bfloat16 under bf16 autocast, which computes in it anyway
+    kwargs = args.model_init_kwargs or {}
+    if not args.bf16 or "dtype" in kwargs or "torch_dtype" in kwargs:  # float32, or the user's own choice
+        return args
+    return dataclasses.replace(args, model_init_kwargs={**kwargs, "dtype": "bfloat16"})
+
+
+def lora_rate(args, lora_rank, given):
+    """args with an adapter's learning rate, LORA_RATE_FACTOR times the whole model's, said on the console;
+    as they are without an adapter, or where --learning_rate is given (given)."""
+    if lora_rank is None or given:
+        return args
+    args = dataclasses.replace(args, learning_rate=args.learning_rate * LORA_RATE_FACTOR)
+    print(f"LoRA (rank {lora_rank}): learning rate {args.learning_rate:g}, {LORA_RATE_FACTOR} times the "
+          "whole model's, as TRL's LoRA Without Regret guide runs GRPO (--learning_rate sets another)",
+          flush=True)
+    return args
+
+
+def on_cuda(args, lora_rank, model, world_size=1, bf16=None, as_given=False):
+    """train_tldr.py on CUDA: bf16 autocast over float32 weights where the card supports it (bf16: the
+    user's choice; None: that rule), then fit_gpu on that choice. (args, lora_rank)."""
+    supported = torch.cuda.is_bf16_supported()
+    args = dataclasses.replace(args, bf16=supported if bf16 is None else bf16)
+    print(f"GPU: {'bf16 autocast over float32 weights' if args.bf16 else 'float32'} (the card supports bf16: "
+          f"{supported}{'; --bf16 as given' if bf16 is not None else ''})", flush=True)
+    return fit_gpu(args, lora_rank, model, world_size, as_given=as_given)
+
+
+def fit_gpu(args, lora_rank, model, world_size=1, free=None, as_given=False):
+    """(args, lora_rank): the first of these whose estimated peak, times MARGIN, fits the GPU's free memory:
+    the run as given; with gradient checkpointing (the same updates, more time); a LoRA adapter of rank 16
+    (train_tldr.py's --lora), on bfloat16 base weights where args.bf16; that with checkpointing. One passed
+    over because it fits only without the margin is named: it may not fit, and the flags of each choice
+    are printed. None fits: SystemExit, naming what to set. model: a folder or hub id (only its config is
+    read), or a config. free: bytes (None: cuda_free_bytes()). --lora given: that adapter, with
+    checkpointing if need be. as_given (--as_given), or under torchrun (world_size > 1): the run as given,
+    only checked (each rank reads its own GPU, and ranks that chose differently would train different
+    models); as_given runs it even where it does not fit."""
+    replace = dataclasses.replace
+    remote = bool((args.model_init_kwargs or {}).get("trust_remote_code"))  # as the trainer will load it
     if isinstance(model, transformers.PretrainedConfig):
         config = model
     else:
         config = transformers.AutoConfig.from_pretrained(model, trust_remote_code=remote)
-    lora = replace(args, bf16=True, model_init_kwargs={**kwargs, "dtype": "bfloat16"})
+    args = args if lora_rank is None else lora_weights(args)
+    lora, on = lora_weights(args), " on bfloat16 weights" * args.bf16
     options = [("as given", args, lora_rank)]
     if not args.gradient_checkpointing:
         options.append(("with gradient checkpointing", replace(args, gradient_checkpointing=True), lora_rank))
     if lora_rank is None and importlib.util.find_spec("peft"):  # (else the refusal says to install it)
-        options += [("LoRA (rank 16) on bfloat16 weights", lora, 16), ("LoRA (rank 16) on bfloat16 weights "
-                    "with gradient checkpointing", replace(lora, gradient_checkpointing=True), 16)]
-    options = options[:1] if world_size > 1 else options
+        checkpointed = replace(lora, gradient_checkpointing=True)
+        options += [(f"LoRA (rank 16){on}", lora, 16), (f"LoRA (rank 16){on} with gradient checkpointing",
+                                                        checkpointed, 16)]
+    options = options[:1] if world_size > 1 or as_given else options
     try:
         peaks = [cuda_peak(config, option, rank, world_size) for _, option, rank in options]
     except AttributeError as e:  # a config whose sizes have other names (GPT-2's n_inner): no estimate
@@ -197,40 +245,28 @@ def fit_gpu(args, lora_rank, model, world_size=1, free=None):
         return args, lora_rank
     free = cuda_free_bytes() if free is None else free
     needs = ", ".join(f"{name} {peak / GIB:.1f} GiB" for (name, _, _), peak in zip(options, peaks))
+    compute = "bf16 autocast" if args.bf16 else "float32"
+    print(f"GPU: {free / GIB:.1f} GiB free; a step's estimated peak ({compute}; tldr_memory.py's, not "
+          f"measured on a GPU): {needs}", flush=True)
+    risky = None  # the first way passed over that fits, but not with the margin: it may not fit
     for (name, option, rank), peak in zip(options, peaks):
-        if peak * SPARE <= free:
-            print(f"GPU: {free / GIB:.1f} GiB free; a step's estimated peak (experiments/memory_model.py, "
-                  f"not measured on a GPU): {needs}; running {name}", flush=True)
+        if peak * MARGIN <= free or as_given:
+            if risky:
+                print(f"GPU: {risky[0]} may not fit ({risky[1] / GIB:.1f} GiB, within the {MARGIN - 1:.0%} "
+                      f"margin). Choose: `{flags(*risky[2:], '--as_given')}` runs it (it may run out of "
+                      f"memory), `{flags(option, rank)}` runs {name}", flush=True)
+            print(f"GPU: running {name}" + (" (it may not fit)" if peak * MARGIN > free else ""), flush=True)
             return option, rank
+        if peak <= free and risky is None:
+            risky = (name, peak, option, rank)
     hint = ""
-    if world_size > 1:
+    if risky:
+        hint = f"; {risky[0]} may fit without the margin: `{flags(*risky[2:], '--as_given')}` tries it"
+    elif world_size > 1:
         hint = "; under torchrun nothing is changed for you: add --gradient_checkpointing True or --lora"
     elif lora_rank is None and not importlib.util.find_spec("peft"):
         hint = "; with peft installed (pip install peft), LoRA is tried too"
     raise SystemExit(f"error: the GPU has {free / GIB:.1f} GiB free, and no way of running this fits "
-                     f"with {SPARE - 1:.0%} to spare (a step's estimated peak: {needs}): lower "
+                     f"with its {MARGIN - 1:.0%} margin (a step's estimated peak: {needs}): lower "
                      "--per_device_train_batch_size (more --gradient_accumulation_steps keep the step's "
                      f"size) or --max_completion_length, or choose a smaller --model{hint}")
-
-
-def fit_demo(args, opts):  # train_tldr.py's: its --model, --lora and torchrun's world size
-    import train_tldr
-    return fit_gpu(args, opts.lora, train_tldr.resolve_model(opts.model), train_tldr.WORLD_SIZE)
-
-
-if __name__ == "__main__":  # python experiments/memory_model.py [FREE_GIB ...]: the demo's choice for pr2899
-    import os, sys
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # the repository
-    import train_tldr
-    from experiments.measure_memory import QWEN25_05B
-    config, _ = train_tldr.parse_args(["--preset", "pr2899"])
-    qwen = transformers.AutoConfig.for_model(**QWEN25_05B)
-    figures = sys.argv[1:] or ([None] if torch.cuda.is_available() else [])  # None: this GPU's free memory
-    if not figures:
-        print("no GPU here: give free memory figures in GiB")
-    for gib in figures:
-        print("this GPU:" if gib is None else f"{gib} GiB free:", end=" ")
-        try:
-            fit_gpu(config, None, qwen, free=None if gib is None else float(gib) * GIB)
-        except SystemExit as e:
-            print(e)
