@@ -1,0 +1,349 @@
+"""
+The report of experiments/addition.py's rows (docs/addition/plan.md says what it computes and why).
+
+    python -m experiments.addition_report [runs/addition/rows.jsonl]
+
+writes, into docs/addition: rows.jsonl (a copy of the rows it read), table.md, summary.json and
+accuracy.png. Before any confirmation row it reports the tuning phase alone (and says so); the verdict
+comes from the confirmation rows only.
+"""
+import argparse, json, math, os, shutil, statistics
+
+from experiments import addition as ad
+
+START = os.path.join(ad.MODEL, "start.json")
+COMPARED = [("μ=2", "μ=1"), ("μ=4", "μ=1"), ("μ=8", "μ=1"), ("S=4", "μ=1"), ("μ=4 no clip", "μ=4")]
+MARGIN = 0.03  # the plan's equivalence margin, in accuracy
+G_SHARES = (0.5, 0.9)  # generation's share of a μ = 1 step on other machines: the cost model's predictions
+
+
+# ---- Statistics -----------------------------------------------------------------------------------------
+def t_quantile(p, df):
+    """The p-quantile (p > 0.5) of Student's t with df degrees of freedom: the density integrated by
+    Simpson's rule from 0, and the upper limit found by bisection."""
+    norm = math.gamma((df + 1) / 2) / (math.sqrt(df * math.pi) * math.gamma(df / 2))
+
+    def density(x):
+        return (1 + x * x / df) ** (-(df + 1) / 2)
+
+    def cdf(x, n=2000):
+        h = x / n
+        total = density(0) + density(x) + sum((4 if i % 2 else 2) * density(i * h) for i in range(1, n))
+        return 0.5 + norm * total * h / 3
+
+    low, high = 0.0, 1.0
+    while cdf(high) < p:
+        high *= 2
+    for _ in range(50):
+        mid = (low + high) / 2
+        if cdf(mid) < p:
+            low = mid
+        else:
+            high = mid
+    return (low + high) / 2
+
+
+def t_interval(values, level=0.95):
+    """{"mean", "low", "high", "median", "n"}: the mean with its t-interval (n - 1 degrees of freedom)."""
+    n, mean = len(values), statistics.mean(values)
+    ad.gm.require(n >= 2, f"a t-interval needs two values or more, got {n}")
+    half = t_quantile((1 + level) / 2, n - 1) * statistics.stdev(values) / math.sqrt(n)
+    return {"mean": mean, "low": mean - half, "high": mean + half, "median": statistics.median(values),
+            "n": n}
+
+
+def paired(a, b):
+    """t_interval of a[s] - b[s] over the seeds that both have."""
+    seeds = sorted(set(a) & set(b))
+    return t_interval([a[s] - b[s] for s in seeds])
+
+
+def reading(diff, margin=MARGIN):
+    """The plan's words for a paired interval."""
+    if diff["low"] > 0:
+        return "higher"
+    if diff["high"] < 0:
+        return "lower"
+    if -margin < diff["low"] and diff["high"] < margin:
+        return "no difference (inside ±3 points)"
+    return "inconclusive"
+
+
+def collapsed(accuracy, start):
+    return accuracy < start / 2
+
+
+# ---- The rows ---------------------------------------------------------------------------------------------
+def at_budget(run, batches):
+    """The run's row after `batches` mini-batches of 64 completions."""
+    return next(r for r in run if r["completions"] == batches * ad.STEP_SIZE)
+
+
+def by_seed(runs, phase, arm, lr, batches, field="accuracy"):
+    """{seed: the field at `batches`} of the phase's finished runs of (arm, lr)."""
+    return {seed: at_budget(run, batches)[field] for (p, a, r, seed), run in runs.items()
+            if (p, a, r) == (phase, arm, lr)}
+
+
+def pct(x):
+    return f"{100 * x:.1f}"
+
+
+def fmt(stat, signed=False):
+    sign = "+" if signed else ""
+    return (f"{100 * stat['mean']:{sign}.1f} [{100 * stat['low']:{sign}.1f}, {100 * stat['high']:{sign}.1f}]")
+
+
+def per_pass(runs, phase, arm, lr):
+    """Means by j (updates since sampling) of the clip fraction, k3 KL and the share outside [0.8, 1.2]
+    over the phase's finished runs of (arm, lr), every row weighted alike."""
+    out = {}
+    for field in ("clip", "kl", "outside"):
+        columns = [r[field] for (p, a, x, _), run in runs.items() if (p, a, x) == (phase, arm, lr)
+                   for r in run]
+        out[field] = []
+        for j in range(ad.cycle(arm)[1]):
+            out[field].append(statistics.mean(c[j] for c in columns if c[j] is not None))
+    return out
+
+
+# ---- The tables -----------------------------------------------------------------------------------------
+def tuning_section(rows, runs, start):
+    tuning, seeds = ad.scores(rows, "tune"), ad.SEEDS["tune"]
+    chosen = ad.chosen_rates(rows)
+    lines = [f"## Tuning (seeds {seeds[0]}-{seeds[-1]}): mean held-out accuracy (%) per rate; the best in "
+             "bold", ""]
+    rates = sorted({lr for by_lr in tuning.values() for lr in by_lr})
+    lines += ["| arm | budget | " + " | ".join(f"{lr:g}" for lr in rates) + " | inside |",
+              "|---|---|" + "---|" * len(rates) + "---|"]
+    summary = {}
+    for arm in ad.ARMS:
+        grid = ad.tuning_grid(arm, rows)
+        for b in ad.BUDGETS:
+            by_lr = tuning.get((arm, b), {})
+            at = {lr: statistics.mean(s.values()) for lr, s in by_lr.items()}  # the seeds finished so far
+            if not at:
+                continue
+            best = max(at, key=at.get)
+            cells = []
+            for lr in rates:
+                if lr not in at:
+                    cells.append("")
+                    continue
+                text = pct(at[lr])
+                if lr == best:
+                    text = f"**{text}**"
+                if len(by_lr[lr]) < len(seeds):
+                    text += f" (n = {len(by_lr[lr])})"
+                cells.append(text)
+            done = (arm, b) in chosen and arm not in ad.SAME_RATE
+            inside = "yes" if done else "not yet"
+            lines.append(f"| {arm} | {b * ad.STEP_SIZE:,} | " + " | ".join(cells) + f" | {inside} |")
+            summary[f"{arm} @ {b * ad.STEP_SIZE}"] = {"means": {f"{lr:g}": at[lr] for lr in at},
+                                                     "best": best, "grid": grid}
+    lines += ["", f"Collapse share (held-out accuracy below {pct(start / 2)} %, half the start's) at 8,192 "
+              "completions, per rate, over the finished tuning seeds:", "",
+              "| arm | " + " | ".join(f"{lr:g}" for lr in rates) + " |", "|---|" + "---|" * len(rates)]
+    shares = {}
+    for arm in ad.ARMS:
+        cells = []
+        for lr in rates:
+            scores = by_seed(runs, "tune", arm, lr, max(ad.BUDGETS))
+            if scores:
+                share = sum(collapsed(s, start) for s in scores.values()) / len(scores)
+                shares[f"{arm} @ {lr:g}"] = share
+                cells.append(f"{sum(collapsed(s, start) for s in scores.values())}/{len(scores)}")
+            else:
+                cells.append("")
+        lines.append(f"| {arm} | " + " | ".join(cells) + " |")
+    lines += ["", "Per pass, at each arm's best tuning rate for 8,192 completions (tuning seeds): the clip "
+              "fraction, the k3 estimate of KL(π_old ‖ π_θ) and the share of tokens with ρ outside "
+              "[0.8, 1.2], by j = the updates made since the completions were sampled (j = 0: ρ = 1)", "",
+              "| arm | rate | clip by j (%) | KL k3 by j (×1e-3) | outside by j (%) |",
+              "|---|---|---|---|---|"]
+    for arm in ad.ARMS:
+        at = ad.means(tuning.get((arm, max(ad.BUDGETS)), {}), seeds)
+        if not at:
+            continue
+        best = max(at, key=at.get)
+        d = per_pass(runs, "tune", arm, best)
+        lines.append(f"| {arm} | {best:g} | " + ", ".join(pct(x) for x in d["clip"]) + " | "
+                     + ", ".join(f"{1e3 * x:.2f}" for x in d["kl"]) + " | "
+                     + ", ".join(pct(x) for x in d["outside"]) + " |")
+    return lines, {"tuning": summary, "tuning_collapse": shares}
+
+
+def confirmation_section(rows, runs, start):
+    chosen, seeds = ad.chosen_rates(rows), ad.SEEDS["confirm"]
+    lines = [f"## Confirmation (seeds {seeds[0]}-{seeds[-1]}): each (arm, budget) at its chosen rate", "",
+             "Held-out sampled accuracy (%): mean [95 % t-interval], median, collapse share; greedy "
+             "(T = 1e-4) mean beside. Δ: the paired difference from the arm it is compared with, at the same "
+             "budget, mean [95 % paired t-interval] and median (ten comparisons, no correction for "
+             "multiplicity); the reading with the ±3-point margin.", "",
+             "| arm | budget | rate | seeds | accuracy | median | collapsed | greedy | Δ | Δ median "
+             "| reading |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    summary = {}
+    for b in ad.BUDGETS:
+        scores = {arm: by_seed(runs, "confirm", arm, chosen[arm, b], b) for arm in ad.ARMS
+                  if (arm, b) in chosen}
+        for arm, values in scores.items():
+            if len(values) < 2:
+                continue
+            stat = t_interval(list(values.values()))
+            greedy = by_seed(runs, "confirm", arm, chosen[arm, b], b, "greedy")
+            fallen = sum(collapsed(v, start) for v in values.values())
+            entry = {"rate": chosen[arm, b], **stat, "collapsed": fallen,
+                     "greedy": statistics.mean(greedy.values())}
+            versus = dict(COMPARED).get(arm)
+            diff_text = ["—", "—", "—"]
+            if versus in scores and len(set(values) & set(scores[versus])) >= 2:
+                diff = paired(values, scores[versus])
+                entry["vs"] = {"arm": versus, **diff, "reading": reading(diff)}
+                diff_text = [fmt(diff, signed=True) + f" vs {versus}", f"{100 * diff['median']:+.1f}",
+                             reading(diff)]
+            summary[f"{arm} @ {b * ad.STEP_SIZE}"] = entry
+            lines.append(f"| {arm} | {b * ad.STEP_SIZE:,} | {chosen[arm, b]:g} | {stat['n']} | {fmt(stat)} | "
+                         f"{pct(stat['median'])} | {fallen}/{stat['n']} | {pct(entry['greedy'])} | "
+                         + " | ".join(diff_text) + " |")
+    return lines, {"confirmation": summary}
+
+
+def bridge_section(rows, runs):
+    """Seed 1 at the chosen rates, tuning's code against the confirmation's."""
+    lines = ["## Bridge: tuning seed 1 again with the confirmation's code", "",
+             "| arm | rate | budget | tuning | bridge | difference |", "|---|---|---|---|---|---|"]
+    pairs = sorted({(arm, lr) for (arm, _), lr in ad.chosen_rates(rows).items()})
+    found = False
+    for arm, lr in pairs:
+        for b in ad.BUDGETS:
+            then, now = (by_seed(runs, phase, arm, lr, b).get(1) for phase in ("tune", "bridge"))
+            if then is not None and now is not None:
+                found = True
+                lines.append(f"| {arm} | {lr:g} | {b * ad.STEP_SIZE:,} | {pct(then)} | {pct(now)} | "
+                             f"{100 * (now - then):+.1f} |")
+    return lines if found else []
+
+
+def predicted(g, mu, S, r):
+    """A mini-batch's time against μ = 1's (the plan's cost model): generation g·r, μ updates, and where
+    μ·S > 1 the π_old pass, a third of an update."""
+    if mu * S == 1:
+        return 1.0
+    return g * r + (1 - g) * (mu + 1 / 3)
+
+
+def seconds_section(rows, runs):
+    """Median training seconds to spend each budget, measured here, and the cost model's predictions."""
+    phase = "confirm" if any(r["phase"] == "confirm" for r in rows) else "tune"
+    lines = [f"## Per second ({phase} rows)", "",
+             "Median training seconds (the trainer's time, without scoring and diagnostics) to spend each "
+             "budget on this shared 2-core machine, measured; then the cost model's time relative to μ = 1 "
+             "for a machine where generating takes a share g of a μ = 1 step, predictions: "
+             "g·r + (1 − g)(μ + 1/3) where μ·S > 1, r = 1 but for S = 4, where r = 1/4 (a 4× larger "
+             "generation call as long as one: launch-bound) to 1 (compute-bound).", "",
+             "| arm | " + " | ".join(f"{b * ad.STEP_SIZE:,} (s)" for b in ad.BUDGETS) + " | "
+             + " | ".join(f"g = {g} (predicted)" for g in G_SHARES) + " |",
+             "|---|" + "---|" * (len(ad.BUDGETS) + len(G_SHARES))]
+    summary = {}
+    for arm in ad.ARMS:
+        medians = []
+        for b in ad.BUDGETS:
+            values = [at_budget(run, b)["seconds"] for (p, a, _, _), run in runs.items()
+                      if (p, a) == (phase, arm)]
+            medians.append(statistics.median(values) if values else None)
+        mu = ad.ARMS[arm]["num_iterations"]
+        S = ad.cycle(arm)[0]
+        fastest = [predicted(g, mu, S, 1 / S) for g in G_SHARES]
+        slowest = [predicted(g, mu, S, 1.0) for g in G_SHARES]
+        summary[arm] = {"median_seconds": medians, "predicted_relative": [fastest, slowest]}
+        cells = []
+        for low, high in zip(fastest, slowest):
+            if low == high:
+                cells.append(f"{low:.2f}×")
+            else:
+                cells.append(f"{low:.2f}× to {high:.2f}×")
+        lines.append(f"| {arm} | " + " | ".join("" if m is None else f"{m:.1f}" for m in medians) + " | "
+                     + " | ".join(cells) + " |")
+    return lines, {"seconds": summary}
+
+
+# ---- The chart -------------------------------------------------------------------------------------------
+def draw(rows, runs, start, path):
+    """Held-out accuracy against completions generated: each arm at its rate for 8,192 completions (the
+    confirmation seeds if any, else the tuning seeds), the mean with its 95 % t-interval."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    phase = "confirm" if any(r["phase"] == "confirm" for r in rows) else "tune"
+    tuning, seeds = ad.scores(rows, "tune"), ad.SEEDS["tune"]
+    figure, axes = plt.subplots(figsize=(8, 5))
+    for arm in ad.ARMS:
+        lr = ad.chosen_rates(rows).get((arm, max(ad.BUDGETS)))
+        at = ad.means(tuning.get((arm, max(ad.BUDGETS)), {}), seeds)
+        if lr is None and at:  # tuning not over: its best so far
+            lr = max(at, key=at.get)
+        if lr is None:
+            continue
+        xs, means, lows, highs = [0], [start], [start], [start]
+        for k in ad.EVALS:
+            values = list(by_seed(runs, phase, arm, lr, k).values())
+            if len(values) >= 2:
+                stat = t_interval(values)
+                xs.append(k * ad.STEP_SIZE)
+                means.append(stat["mean"])
+                lows.append(stat["low"])
+                highs.append(stat["high"])
+        line, = axes.plot(xs, means, marker="o", label=f"{arm} (lr {lr:g})")
+        axes.fill_between(xs, lows, highs, color=line.get_color(), alpha=0.15)
+    axes.set_xlabel("completions generated")
+    axes.set_ylabel("held-out exact match, sampled at T = 1")
+    label = "confirmation" if phase == "confirm" else "tuning (a first look, not the verdict)"
+    axes.set_title(f"2-digit sums: each arm at its rate for 8,192 completions, {label} seeds;\n"
+                   "mean and 95 % t-interval (shaded)", fontsize=10)
+    axes.legend(fontsize=8)
+    axes.grid(alpha=0.3)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
+def report(rows_path, folder):
+    rows = ad.read(rows_path)
+    runs = ad.finished_runs(rows)
+    with open(START) as f:
+        start = json.load(f)["sampled"]
+    lines = ["# 2-digit sums: what μ buys, the report", "",
+             f"Setting: docs/addition/plan.md. Starting model: {pct(start)} % held-out sampled exact match. "
+             f"Rows: {len(rows)}, finished runs: {len(runs)} "
+             f"({', '.join(sorted({f'{p} {sum(k[0] == p for k in runs)}' for p, *_ in runs}))}).", ""]
+    summary = {"start": start}
+    if any(k[0] == "confirm" for k in runs):
+        part, more = confirmation_section(rows, runs, start)
+        lines += part + [""] + bridge_section(rows, runs) + [""]
+        summary.update(more)
+    else:
+        lines += ["No confirmation row yet: the tuning phase alone, a first look (not the verdict).", ""]
+    for section in (tuning_section(rows, runs, start), seconds_section(rows, runs)):
+        lines += section[0] + [""]
+        summary.update(section[1])
+    os.makedirs(folder, exist_ok=True)
+    if os.path.abspath(rows_path) != os.path.abspath(os.path.join(folder, "rows.jsonl")):
+        shutil.copyfile(rows_path, os.path.join(folder, "rows.jsonl"))
+    with open(os.path.join(folder, "table.md"), "w") as f:
+        f.write("\n".join(lines))
+    with open(os.path.join(folder, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=1, ensure_ascii=False)
+    draw(rows, runs, start, os.path.join(folder, "accuracy.png"))
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("rows", nargs="?", default=os.path.join(ad.ROWS, "rows.jsonl"))
+    p.add_argument("--folder", default=ad.FOLDER)
+    opts = p.parse_args(argv)
+    print(report(opts.rows, opts.folder))
+
+
+if __name__ == "__main__":
+    main()
