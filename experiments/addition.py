@@ -39,6 +39,11 @@ FOLDER = os.path.join(ROOT, "docs", "addition")
 MODEL = os.path.join(FOLDER, "model")
 ROWS = os.path.join(ROOT, "runs", "addition")
 
+
+def require(ok, message):  # a bad input or state fails at once, named
+    if not ok:
+        raise ValueError(message)
+
 # ---- The task -------------------------------------------------------------------------------------------
 SPLIT_SEED, HELD_OUT, GRPO_PAIRS = 0, 250, 1000  # unordered pairs; the rest (3,800) are supervised
 
@@ -231,7 +236,7 @@ def steps_at(arm, batches):
     """The optimizer steps after which an arm has generated batches × 64 completions and taken every step
     that they serve: μ per mini-batch of 64."""
     S, steps = cycle(arm)
-    gm.require(batches % S == 0, f"{batches} mini-batches are not whole generation batches of {arm}")
+    require(batches % S == 0, f"{batches} mini-batches are not whole generation batches of {arm}")
     return batches * ARMS[arm]["num_iterations"]
 
 
@@ -312,7 +317,8 @@ class Recorder:
         start = time.perf_counter()
         self.steps += 1
         step, j, w = self.steps, (self.steps - 1) % self.cycle, self.window
-        w["clip"][j].append(metric(metrics, "clip"))
+        if metric(metrics, "clip") is not None:
+            w["clip"][j].append(metric(metrics, "clip"))
         w["kl"][j].append(self.pending[0])
         w["outside"][j].append(self.pending[1])
         for name in ("reward", "length"):
@@ -484,7 +490,7 @@ def code_version():
     """{"commit": HEAD, "code": a hash of the committed trainer, testbed and starting model}; refused while
     any of them has uncommitted changes: a row must name the code that made it."""
     dirty = git("status", "--porcelain", "--", *CODE)
-    gm.require(not dirty, f"uncommitted changes to the code that runs: commit them first\n{dirty}")
+    require(not dirty, f"uncommitted changes to the code that runs: commit them first\n{dirty}")
     blobs = git("rev-parse", *[f"HEAD:{p}" for p in CODE])
     return {"commit": git("rev-parse", "HEAD"), "code": hashlib.sha1(blobs.encode()).hexdigest()[:12]}
 
@@ -493,9 +499,9 @@ def check_confirmation(rows, version):
     """The bridge and the confirmation run after the plan is committed, at one version of the code."""
     plan = "docs/addition/plan.md"
     committed = git("ls-files", plan) and not git("status", "--porcelain", "--", plan)
-    gm.require(committed, f"{plan} is not committed: the plan comes first")
+    require(committed, f"{plan} is not committed: the plan comes first")
     codes = {r["code"] for r in rows if r["phase"] in ("bridge", "confirm")}
-    gm.require(codes <= {version["code"]}, f"the confirmation rows so far ran at code {sorted(codes)}, this "
+    require(codes <= {version["code"]}, f"the confirmation rows so far ran at code {sorted(codes)}, this "
                f"is {version['code']} (commit {version['commit'][:7]}): one phase, one version of the code")
 
 
@@ -545,7 +551,7 @@ def work(command, worker, folder=ROWS):
     if command == "confirm":
         check_confirmation(read(rows_path), version)
         over = {arm for arm, _ in chosen_rates(read(rows_path))}
-        gm.require(over == set(ARMS), f"the tuning of {sorted(set(ARMS) - over)} is not over: run tune first")
+        require(over == set(ARMS), f"the tuning of {sorted(set(ARMS) - over)} is not over: run tune first")
         phases = ["bridge", "confirm"]
     start, tokenizer = load_start()
     while True:

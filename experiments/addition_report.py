@@ -46,7 +46,7 @@ def t_quantile(p, df):
 def t_interval(values, level=0.95):
     """{"mean", "low", "high", "median", "n"}: the mean with its t-interval (n - 1 degrees of freedom)."""
     n, mean = len(values), statistics.mean(values)
-    ad.gm.require(n >= 2, f"a t-interval needs two values or more, got {n}")
+    ad.require(n >= 2, f"a t-interval needs two values or more, got {n}")
     half = t_quantile((1 + level) / 2, n - 1) * statistics.stdev(values) / math.sqrt(n)
     return {"mean": mean, "low": mean - half, "high": mean + half, "median": statistics.median(values),
             "n": n}
