@@ -311,7 +311,8 @@ class Recorder:
 
     def empty_window(self):
         return {"clip": [[] for _ in range(self.cycle)], "kl": [[] for _ in range(self.cycle)],
-                "outside": [[] for _ in range(self.cycle)], "reward": [], "length": []}
+                "outside": [[] for _ in range(self.cycle)], "reward": [], "length": [], "time": {},
+                "kept": self.reward.seconds}
 
     def log(self, trainer, metrics):
         start = time.perf_counter()
@@ -324,6 +325,9 @@ class Recorder:
         for name in ("reward", "length"):
             if metric(metrics, name) is not None:  # on the steps that generated
                 w[name].append(metric(metrics, name))
+        for name, seconds in metrics.items():  # the trainer's seconds per phase, where it logs them
+            if name.startswith("time_"):
+                w["time"][name[5:]] = w["time"].get(name[5:], 0.0) + seconds
         # Before the next step: how far π_θ has moved from π_old on the mini-batch that the step will use.
         if step % self.cycle == 0:
             self.pending = (0.0, 0.0)  # the next step samples anew: ρ = 1 exactly
@@ -340,6 +344,7 @@ class Recorder:
                "train_reward": mean(w["reward"]), "length": mean(w["length"]),
                "clip": [mean(x) for x in w["clip"]], "kl": [mean(x) for x in w["kl"]],
                "outside": [mean(x) for x in w["outside"]], "entropy": metric(metrics, "entropy"),
+               "time": {**w["time"], "kept": self.reward.seconds - w["kept"]},
                "accuracy": accuracy(trainer.model, trainer.tokenizer, self.held_out)}
         if self.evals[step] in BUDGETS:
             row["greedy"] = accuracy(trainer.model, trainer.tokenizer, self.held_out, temperature=GREEDY_T)
