@@ -1,6 +1,6 @@
 """This project computes what TRL 1.16.0's GRPOTrainer computes: the same advantages, loss and gradients.
 
-docs/trl_parity/make_golden.py ran TRL, as the oracle, on a tiny Llama saved in docs/trl_parity/ with fixed
+experiments/trl_golden.py ran TRL, as the oracle, on a tiny Llama saved in test_data/trl_parity/ with fixed
 prompts, completions and rewards, in 72 configurations (the four loss types, β and the KL's ratio weighting,
 ε_high, μ, one or two unequal micro-batches, the temperature, steps_per_generation, scale_rewards, GSPO's
 sequence-level ratio, the masking of truncated completions) and an end-to-end run, and wrote what TRL
@@ -25,7 +25,7 @@ from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 import grpo_multistep as gm
 
 torch.set_num_threads(1)  # a 32-wide model gains nothing from threads, and loses a lot to a busy machine
-HERE = pathlib.Path(__file__).parent / "docs" / "trl_parity"
+HERE = pathlib.Path(__file__).parent / "test_data" / "trl_parity"
 GOLDEN = json.loads((HERE / "golden.json").read_text())
 G, C, PROMPTS = GOLDEN["num_generations"], GOLDEN["max_completion_length"], GOLDEN["prompts"]
 COMPLETIONS = {tuple(ids): rows for ids, rows in zip(GOLDEN["prompt_ids"], GOLDEN["completions"])}
@@ -41,7 +41,7 @@ ATOL = 1e-6  # for numbers that cancel to ~0 (μ = 1, grpo: a group's advantages
 # The inputs TRL had: fixed completions and rewards, the rows in order
 # ---------------------------------------------------------------------------------------------------
 def fixed_completions(model, tokenizer, prompt_ids, prompt_mask, args, eos_token_ids=None):
-    """Stands in for generate_completions, as make_golden.py's stand-in did for TRL's generation: each
+    """Stands in for generate_completions, as trl_golden.py's stand-in did for TRL's generation: each
     prompt's G completions from the golden file, right-padded to max_completion_length."""
     groups = [COMPLETIONS[tuple(ids[m.bool()].tolist())] for ids, m in zip(prompt_ids, prompt_mask)]
     completion_ids = torch.full((len(groups) * G, C), tokenizer.pad_token_id)
@@ -60,7 +60,7 @@ def second_reward(completion_ids, **kwargs):  # the end-to-end run's: None ("doe
 
 
 def train_like_trl(tmp_path, monkeypatch, args, max_steps, n_prompts, reward_funcs=(fixed_reward,)):
-    """train() on the golden inputs. Returns what make_golden.py recorded of TRL: each generation batch's
+    """train() on the golden inputs. Returns what trl_golden.py recorded of TRL: each generation batch's
     advantages; per optimizer step each micro-batch's loss, tokens, KL sum and clipped-token counts, and the
     gradients AdamW receives; and the metrics each step logged."""
     monkeypatch.setattr(gm, "generate_completions", fixed_completions)
@@ -71,7 +71,7 @@ def train_like_trl(tmp_path, monkeypatch, args, max_steps, n_prompts, reward_fun
               "lr_scheduler_type": "constant", **args}
     trainer = gm.GRPOTrainer(copy.deepcopy(MODEL), list(reward_funcs), gm.GRPOConfig(**config),
                              Dataset.from_dict({"prompt": PROMPTS[:n_prompts]}), TOKENIZER)
-    for group in trainer.optimizer.param_groups:  # TRL's adam_epsilon (make_golden.py says why not 1e-8)
+    for group in trainer.optimizer.param_groups:  # TRL's adam_epsilon (trl_golden.py says why not 1e-8)
         group["eps"] = GOLDEN["adam_epsilon"]
     record, micro_batches = {"generations": [], "steps": [], "metrics": []}, []
 
@@ -105,7 +105,7 @@ def train_like_trl(tmp_path, monkeypatch, args, max_steps, n_prompts, reward_fun
 # Comparing: each number against TRL's, relative to its scale
 # ---------------------------------------------------------------------------------------------------
 def summary(t):
-    """make_golden.py's fingerprint of a tensor: norm, projections on three fixed unit vectors (the first: the
+    """trl_golden.py's fingerprint of a tensor: norm, projections on three fixed unit vectors (the first: the
     mean direction), its largest entry (index, value)."""
     x = t.detach().double().flatten()
     i = torch.arange(1, len(x) + 1, dtype=torch.float64)
@@ -227,7 +227,7 @@ def test_three_adamw_steps_of_train_end_at_trls_weights(tmp_path, monkeypatch):
 
 
 def test_the_golden_file_covers_each_axis():
-    """What make_golden.py promises, so that a golden file made again cannot quietly drop a case."""
+    """What trl_golden.py promises, so that a golden file made again cannot quietly drop a case."""
     args = [c["args"] for c in GOLDEN["configs"]]
     assert {a["loss_type"] for a in args} == {"grpo", "bnpo", "dapo", "dr_grpo"}
     kl_terms = {(a["beta"], a["use_bias_correction_kl"]) for a in args}  # none, with and without the ratio

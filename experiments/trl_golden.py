@@ -1,18 +1,18 @@
 """TRL 1.16.0's GRPOTrainer as the oracle: its loss and gradients on fixed batches, written to golden.json.
 
 test_trl_parity.py (repo root) replays every configuration with grpo_multistep.py and compares, without TRL.
-This script needs TRL, in a venv of its own (the project itself never imports it):
+This script needs TRL, in a venv of its own (the project itself never imports it), run from the root:
 
     python3 -m venv /tmp/trl && . /tmp/trl/bin/activate && pip install torch==2.13.0 trl==1.16.0
-    python docs/trl_parity/make_golden.py
+    python -m experiments.trl_golden
 
-Both sides load the same files from this folder: a tiny Llama (model.safetensors: built here the first time,
-then only read, so that a rerun changes the golden numbers only if TRL's change) and its tokenizer. TRL
-samples nothing: its _generate_single_turn (the hook after tokenization, before any forward pass) is replaced
-by fixed completions, and the rewards are fixed numbers looked up by completion. Two of TRL's random choices
-are fixed too, as the test fixes this project's: the dataset order (shuffle_dataset=False; the test takes the
-rows in order too), and the shuffle of a generation batch's rows before it is split into micro-batches
-(shuffle_sequence_dict, made the identity: this project keeps the rows in order).
+Both sides load the same files from test_data/trl_parity/: a tiny Llama (model.safetensors: built the first
+time, then only read, so that a rerun changes the golden numbers only if TRL's change) and its tokenizer.
+TRL samples nothing: its _generate_single_turn (the hook after tokenization, before any forward pass) is
+replaced by fixed completions, and the rewards are fixed numbers looked up by completion. Two of TRL's random
+choices are fixed too, as the test fixes this project's: the dataset order (shuffle_dataset=False; the test
+takes the rows in order too), and the shuffle of a generation batch's rows before it is split into
+micro-batches (shuffle_sequence_dict, made the identity: this project keeps the rows in order).
 """
 import json
 import os
@@ -30,8 +30,9 @@ from datasets import Dataset  # noqa: E402
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, TrainerCallback  # noqa: E402
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-BOS_TOKENIZER = os.path.join(HERE, "bos_tokenizer")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FIXTURES = os.path.join(ROOT, "test_data", "trl_parity")  # test_trl_parity.py's
+BOS_TOKENIZER = os.path.join(FIXTURES, "bos_tokenizer")
 torch.set_num_threads(1)  # a 32-wide model gains nothing from threads; the machine may be busy
 warnings.filterwarnings("ignore")  # TRL's advice for real runs (bf16, vLLM, ...) is noise here
 transformers.utils.logging.disable_progress_bar()  # and so are progress bars for loading 150 kB
@@ -91,13 +92,13 @@ def build_model(tokenizer):  # 38k parameters, 150 kB as float32
 
 
 def saved_model_and_tokenizer():
-    if not os.path.exists(os.path.join(HERE, "model.safetensors")):  # the first run only, then read
+    if not os.path.exists(os.path.join(FIXTURES, "model.safetensors")):  # the first run only, then read
         tokenizer = build_tokenizer()
-        tokenizer.save_pretrained(HERE)
-        build_model(tokenizer).save_pretrained(HERE)
+        tokenizer.save_pretrained(FIXTURES)
+        build_model(tokenizer).save_pretrained(FIXTURES)
     if not os.path.exists(BOS_TOKENIZER):
         build_bos_tokenizer().save_pretrained(BOS_TOKENIZER)
-    return PreTrainedTokenizerFast.from_pretrained(HERE)
+    return PreTrainedTokenizerFast.from_pretrained(FIXTURES)
 
 
 def fixed_completions(tokenizer):
@@ -199,7 +200,7 @@ def run_trl(tokenizer, table, reward_of, args, max_steps, n_prompts, reward_func
         model_init_kwargs={"dtype": "float32"})
     config = trl.GRPOConfig(**{**config, **args, **overrides})
     funcs = reward_funcs or [lambda completion_ids, **kw: [reward_of[tuple(c)] for c in completion_ids]]
-    trainer = trl.GRPOTrainer(model=HERE, reward_funcs=funcs, args=config, processing_class=tokenizer,
+    trainer = trl.GRPOTrainer(model=FIXTURES, reward_funcs=funcs, args=config, processing_class=tokenizer,
                               train_dataset=Dataset.from_dict({"prompt": PROMPTS[:n_prompts]}))
     record, micro_batches = {"generations": [], "steps": []}, []
 
@@ -265,7 +266,8 @@ def main():
         "num_generations": G, "max_completion_length": C, "adam_epsilon": ADAM_EPSILON,
         "prompts": PROMPTS, "prompt_ids": [list(k) for k in table], "completions": list(table.values()),
         "rewards": REWARDS, "logps": {}, "configs": []}
-    initial = {n: p.detach().clone() for n, p in LlamaForCausalLM.from_pretrained(HERE).named_parameters()}
+    model = LlamaForCausalLM.from_pretrained(FIXTURES)
+    initial = {n: p.detach().clone() for n, p in model.named_parameters()}
 
     for config in configurations():
         a = config["args"]
@@ -308,10 +310,10 @@ def main():
     losses = [round(sum(m["loss"] for m in s["micro_batches"]), 5) for s in record["steps"]]
     print("end to end: losses", losses, "clipped", [f"{c:.1%}" for c in clipped_shares(record["steps"])])
 
-    with open(os.path.join(HERE, "golden.json"), "w") as f:
+    with open(os.path.join(FIXTURES, "golden.json"), "w") as f:
         json.dump(rounded(golden), f, separators=(",", ":"))
         f.write("\n")
-    print(f"wrote golden.json: {os.path.getsize(os.path.join(HERE, 'golden.json')) / 1e3:.0f} kB, "
+    print(f"wrote golden.json: {os.path.getsize(os.path.join(FIXTURES, 'golden.json')) / 1e3:.0f} kB, "
           f"{len(golden['configs'])} configurations and an end-to-end run", file=sys.stderr)
 
 
