@@ -1,5 +1,6 @@
 """
-What one optimizer step costs on this machine, phase by phase, and where μ > 1 or S > 1 would pay per second.
+What one optimizer step costs on the machine at hand, phase by phase, and where μ > 1 or S > 1 would pay per
+second.
 
 Each configuration is a run of train_tldr.py's training (the cpu preset unless --preset says otherwise) in a
 process of its own, so that its peak RSS is its own, on the shape of the TRL 1.16 reference below (4 prompts
@@ -10,7 +11,7 @@ what the model learns cannot move the clock. The configurations: μ = 1 and μ =
 serves 4 optimizer steps, each on completions of its own); with --bf16, each also under bf16 autocast.
 
 The table: the median seconds of each phase per optimizer step, a generation step apart from the steps
-between generations, and their mean over a cycle. Then the cost model, from this machine's numbers alone
+between generations, and their mean over a cycle. Then the cost model, from the machine's numbers alone
 (fp32, β = 0): g, the generation share of a μ = 1 step; l, one π_old log-prob pass over one step's
 completions relative to a μ = 1 step; r_S, how many times longer the generation of an S times larger batch
 takes; then T(μ, S)/T(1, 1) = (1 − g) + (g·r_S + [μS > 1]·S·l)/(μ·S) (r_1 = 1), predicted beside
@@ -19,34 +20,33 @@ w*(μ) = 1 − g + l/(μ − 1) for a reuse step, w*_S = (S(1 − g) + g·r_S + 
 stale mini-batch. Beside it, where the update-clock experiment has committed docs/update-clock/summary.json,
 the worth that it measured per arm, with its interval.
 
-    python experiments/benchmark.py [--bf16] [--benchmark-steps N] [train_tldr.py flags]
-    python train_tldr.py --benchmark ...                                      # the same
+    python -m experiments.benchmark [--bf16] [--benchmark-steps N] [train_tldr.py flags]
 """
 import json, math, os, shutil, statistics, subprocess, sys
 
 import torch
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, ".."))  # the repository's root
-import grpo_multistep as gm  # noqa: E402
-import train_tldr  # noqa: E402
-from experiments.lab import markdown_table  # noqa: E402
+import grpo_multistep as gm
+import train_tldr
+from experiments.lab import markdown_table
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 BENCHMARK = dict(per_device_train_batch_size=8, gradient_accumulation_steps=4, max_prompt_length=64,
                  max_completion_length=64, log_completions=False)
 S = 4  # the S arm: steps_per_generation = S × gradient_accumulation_steps
 CONFIGURATIONS = [(1, 1, 0.0), (1, 1, 0.04), (4, 1, 0.0), (4, 1, 0.04), (1, S, 0.0)]  # (μ, S, β)
-REFERENCE = ("TRL 1.16, float32, at this benchmark's default shape, side by side on this project's 2-core "
-             "machine on 2026-11-30 (docs/performance.md#against-trl-116, docs/trl_reference.py): "
-             "76.8 s/step and 5.53 GiB peak RSS at μ=1, β=0. Compare only figures of one day's run.")
-SUMMARY = os.path.join(HERE, "..", "docs", "update-clock", "summary.json")  # the update-clock experiment's
+REFERENCE = ("TRL 1.16, float32, at this benchmark's default shape, side by side on 2 cores of an AMD EPYC "
+             "on 2026-11-30 (docs/performance.md#against-trl-116, experiments/trl_reference.py): 76.8 s/step "
+             "and 5.53 GiB peak RSS at μ=1, β=0, where grpo_multistep took 44.7 s and 4.01 GiB. Compare only "
+             "figures of one machine's side-by-side run.")
+SUMMARY = os.path.join(ROOT, "docs", "update-clock", "summary.json")  # the update-clock experiment's
 
 
 def parse_args(argv):  # the benchmark's shape first: any flag given after it wins
     parser = train_tldr.make_parser(__doc__)
     parser.add_argument("--benchmark-steps", type=int, default=4, help="optimizer steps per configuration "
                         "(rounded up to whole generation cycles of μ·S steps)")
-    parser.add_argument("--benchmark", action="store_true", help="(what train_tldr.py --benchmark passes on)")
     parser.add_argument("--child", action="store_true", help="(one configuration, in the process of its own)")
     checks = lambda opts: [("--benchmark-steps", opts.benchmark_steps >= 1, "must be >= 1")]
     return train_tldr.parse_args([*as_flags(BENCHMARK), *argv], parser, preset="cpu", checks=checks)
@@ -65,11 +65,11 @@ class FixedLength(train_tldr.Trainer):
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     config, opts = parse_args(argv)
-    opts.script, opts.argv = os.path.relpath(__file__), argv
+    opts.script, opts.argv = "-mexperiments.benchmark", argv  # python -mexperiments.benchmark: -m, no space
     if opts.child:
         return train_tldr.run_all(config, [config], config.output_dir, opts, FixedLength, lambda *args: None)
     try:
-        return benchmark(config, opts, [a for a in argv if a != "--benchmark"])
+        return benchmark(config, opts, argv)
     except KeyboardInterrupt:
         print("\ninterrupted by Ctrl-C")
         return 130
@@ -90,9 +90,9 @@ def benchmark(config, opts, argv):
             print(f"\n=== benchmark {name}: {flags['max_steps']} optimizer steps in a fresh process ===",
                   flush=True)
             # Later flags win: the benchmark's shape, then the user's flags, then this configuration's.
-            cmd = [sys.executable, os.path.join(HERE, "benchmark.py"), "--child", *as_flags(BENCHMARK), *argv,
+            cmd = [sys.executable, "-m", "experiments.benchmark", "--child", *as_flags(BENCHMARK), *argv,
                    *as_flags(flags)]
-            code = subprocess.run(cmd).returncode
+            code = subprocess.run(cmd, cwd=ROOT).returncode
             if code == 130:
                 raise KeyboardInterrupt
             if code:

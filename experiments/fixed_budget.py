@@ -9,26 +9,27 @@ is a k-step run), β = 0. Arms: μ = num_iterations ∈ {1, 2, 4}, and steps_per
 gradient_accumulation_steps (S = 4) at μ = 1. A budget of B completions buys B/8 steps at μ = 1 and at S = 4,
 μ·B/8 at μ > 1; each run is scored on the held-out posts at the step where it has spent each budget.
 
-    python experiments/fixed_budget.py tune --worker 0 &  # one per core (taskset -c 0 / 1, OMP_NUM_THREADS=1)
-    python experiments/fixed_budget.py tune --worker 1 &
-    python experiments/fixed_budget.py report             # table.md, summary.json, rewards.png
+    python -m experiments.fixed_budget tune --worker 0 &  # one per core (taskset -c 0 / 1, OMP_NUM_THREADS=1)
+    python -m experiments.fixed_budget tune --worker 1 &
+    python -m experiments.fixed_budget report             # table.md, summary.json, rewards.png
 
-`tune` runs phase 1 (seeds 42-47, every arm on its grid) and then, once plan.md is in the folder, phase 2
+`tune` runs phase 1 (seeds 42-47, every arm on its grid) and then, once the plan (--plan) exists, phase 2
 for each arm whose tuning is over: fresh seeds, each budget at its chosen rate. `confirm` runs phase 2 only.
 
 Resumable and shared by the workers: a run whose last row says "end" is kept; a run that was cut short is
 run again from its first step (its rows carry another attempt id); a worker claims a run before it starts
-it, so two never run the same one. The tuning phase extends an arm's grid, a factor 2 at a time, wherever a
-budget's best rate is at its edge, until every best is strictly inside.
+it, so two never run the same one. Rows, claims and the report go to --folder, runs/fixed-budget by default
+(outside docs/, ignored by git); `report --folder docs/fixed-budget` redraws the committed study's table.
+The held-out score is experiments/heldout.py's. The tuning phase extends an arm's grid, a factor 2 at a
+time, wherever a budget's best rate is at its edge, until every best is strictly inside.
 """
-import argparse, fcntl, json, math, os, shutil, statistics, sys, tempfile, time, uuid
+import argparse, fcntl, json, math, os, shutil, statistics, tempfile, time, uuid
 from contextlib import contextmanager
 
-import torch
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-import grpo_multistep as gm  # noqa: E402
-import train_tldr  # noqa: E402
+import grpo_multistep as gm
+import train_tldr
+from experiments.heldout import held_out_score
+from experiments.metric_names import clip_fraction, metric
 
 ARMS = {"μ=1": dict(num_iterations=1), "μ=2": dict(num_iterations=2), "μ=4": dict(num_iterations=4),
         "S=4": dict(num_iterations=1, steps_per_generation=4)}
@@ -39,8 +40,10 @@ SEEDS = {"tune": tuple(range(42, 48)), "confirm": tuple(range(100, 112))}
 SHAPE = dict(per_device_train_batch_size=8, gradient_accumulation_steps=1, num_generations=8,
              max_prompt_length=128, max_completion_length=32, temperature=1.0, beta=0.0,
              lr_scheduler_type="constant", logging_steps=1, save_steps=10**6, overwrite_output_dir=True)
-EVAL_SEED, EVAL_SAMPLES, TARGET_CHARS = 1234, 4, 40
-FOLDER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "docs", "fixed-budget")
+EVAL_SAMPLES, TARGET_CHARS = 4, 40
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FOLDER = os.path.join(ROOT, "runs", "fixed-budget")  # rows, claims, report: the run's own, never committed
+PLAN = os.path.join(ROOT, "docs", "fixed-budget", "plan.md")  # committed before any confirmation row
 
 
 # ---- The budget clock ----------------------------------------------------------------------------------
@@ -157,34 +160,16 @@ def tasks(phase, rows):
 
 
 # ---- One run: train, and at each budget's step score the held-out posts ------------------------------
-def held_out_reward(trainer, prompts, reward):
-    """Mean reward of EVAL_SAMPLES completions per held-out prompt, decoded exactly as in training (every EOS
-    id of the trainer), from one fixed seed: the same random numbers for every arm, rate and step."""
-    args = gm.GRPOConfig(**{**SHAPE, "num_generations": EVAL_SAMPLES, "output_dir": trainer.args.output_dir})
-    ids, mask = gm.tokenize_prompts(trainer.tokenizer, prompts, args.max_prompt_length)
-    with torch.random.fork_rng():  # the training run's own random stream goes on untouched
-        torch.manual_seed(EVAL_SEED)
-        _, _, completion_ids, cmask = gm.generate_completions(trainer.model, trainer.tokenizer, ids, mask,
-                                                              args, trainer.eos_token_ids)
-    lengths = cmask.sum(1).tolist()
-    texts = trainer.tokenizer.batch_decode([r[:n] for r, n in zip(completion_ids.tolist(), lengths)],
-                                           skip_special_tokens=True)
-    truncated = sum(not bool(torch.isin(completion_ids[i, n - 1], trainer.eos_token_ids))
-                    for i, n in enumerate(lengths)) / len(texts)
-    return {"eval_reward": statistics.mean(reward(completions=texts)),
-            "eval_chars": statistics.mean(map(len, texts)), "eval_truncated": truncated}
-
-
 class Run(gm.GRPOTrainer):
     def log(self, metrics):
         step, (size, cycle) = metrics["step"], per_generation(self.tags["arm"])
         row = {**self.tags, "step": step, "completions": math.ceil(step / cycle) * size,
                "first_use": (step - 1) % cycle < cycle // self.args.num_iterations,  # ratio 1 at its start
-               "clip": metrics["clip_ratio_low"] + metrics["clip_ratio_high"],
-               "train_reward": metrics.get("reward"), "completion_length": metrics.get("completion_length")}
+               "clip": clip_fraction(metrics), "train_reward": metrics.get("reward"),
+               "completion_length": metric(metrics, "completions/mean_length")}
         budgets = [b for b in BUDGETS if steps_for(self.tags["arm"], b) == step]
         if budgets:
-            row.update(budget=budgets[0], **held_out_reward(self, self.held_out, self.reward))
+            row.update(budget=budgets[0], **held_out_score(self, self.held_out, EVAL_SAMPLES))
         row["end"] = step == self.args.max_steps
         append(self.rows, row)
 
@@ -197,10 +182,10 @@ def run_one(phase, arm, lr, seed, max_steps, model, train, held_out, rows):
         reward = train_tldr.length_reward(TARGET_CHARS)
         trainer = Run(model, reward, args=config, train_dataset=gm.Dataset.from_dict({"prompt": train}))
         trainer.tags = {"phase": phase, "arm": arm, "lr": lr, "seed": seed, "attempt": uuid.uuid4().hex[:8]}
-        trainer.rows, trainer.held_out, trainer.reward = rows, held_out, reward
+        trainer.rows, trainer.held_out = rows, held_out
         if not any(r["step"] == 0 for r in read(rows)):  # the untrained model: the same for every run
             append(rows, {"phase": None, "arm": None, "step": 0, "completions": 0,
-                          **held_out_reward(trainer, held_out, reward)})
+                          **held_out_score(trainer, held_out, EVAL_SAMPLES)})
         trainer.train()
     finally:
         shutil.rmtree(out, ignore_errors=True)
@@ -245,17 +230,18 @@ def main(argv=None):
     p.add_argument("phase", choices=["tune", "confirm", "report"])
     p.add_argument("--worker", type=int, default=0, help="a name for this worker's log lines")
     p.add_argument("--folder", default=FOLDER)
+    p.add_argument("--plan", default=PLAN, help="the plan, written before any confirmation run")
     p.add_argument("--model", default=train_tldr.OFFLINE_MODEL)
     opts = p.parse_args(argv)
     os.makedirs(opts.folder, exist_ok=True)
     rows_path, claims_path = (os.path.join(opts.folder, n) for n in ("rows.jsonl", "claims.jsonl"))
     if opts.phase == "report":
-        import report_fixed_budget
+        from experiments import report_fixed_budget  # (it imports this module)
         return print(report_fixed_budget.report(read(rows_path), opts.folder))
     # "tune" goes on to the confirmation runs of each arm whose tuning is over, once the plan is written
-    plan = os.path.exists(os.path.join(opts.folder, "plan.md"))
+    plan = os.path.exists(opts.plan)
     phases = ["tune", "confirm"] if opts.phase == "tune" and plan else [opts.phase]
-    gm.require(plan or opts.phase == "tune", f"no plan.md in {opts.folder}: write (and commit) it first")
+    gm.require(plan or opts.phase == "tune", f"no plan {opts.plan}: write (and commit) it first")
     model = train_tldr.resolve_model(opts.model)
     prompts = train_tldr.load_prompts(train_tldr.EMBEDDED)["prompt"][:]
     train, held_out = prompts[:-train_tldr.HELD_OUT], prompts[-train_tldr.HELD_OUT:]

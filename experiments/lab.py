@@ -13,18 +13,21 @@ what a reuse step was worth, mean ± sd over the seeds; its notes say how each i
 by the seconds budget against the learning rate, then against seconds and completions at each μ's best rate;
 mean and min-max band over the seeds). --resume finishes a sweep cut short.
 
-    python experiments/lab.py --sweep 1 2 4 --lrs 1.25e-6 5e-6 2e-5 --seeds 3 --time-budget 180 \\
-        --max_steps 1000 --lr_scheduler_type constant --log_completions False   # the grid of docs/cpu-grid/
-    python experiments/lab.py --sweep 1 4 --seeds 2 --time-budget 300
-    python experiments/lab.py --target-reward -15
+    python -m experiments.lab --sweep 1 2 4 --lrs 1.25e-6 5e-6 2e-5 --seeds 3 --time-budget 180 \\
+        --max_steps 1000 --lr_scheduler_type constant --log_completions False   # a μ × learning-rate grid
+    python -m experiments.lab --sweep 1 4 --seeds 2 --time-budget 300
+    python -m experiments.lab --target-reward -15
+
+Its rewards are the training rewards of each generation batch (fresh samples of the policy on training
+prompts), not a held-out score: experiments/heldout.py's serves the experiments that keep prompts apart.
 """
 import dataclasses, json, math, os, statistics, sys
 
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-import train_tldr  # noqa: E402  (its import sets matplotlib's file-only backend)
+import train_tldr  # (its import sets matplotlib's file-only backend)
 import matplotlib.pyplot as plt  # noqa: E402
+from experiments.metric_names import clip_fraction
 
 RECENT = 3  # "the reward now" = mean of the last RECENT logged rewards (one is noisy)
 CLOCKS = (*train_tldr.CLOCKS, ("elapsed", "wall-clock seconds"))
@@ -69,7 +72,7 @@ class Trainer(train_tldr.Trainer):
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     config, opts = parse_args(argv)
-    opts.script, opts.argv, Trainer.opts = os.path.relpath(__file__), argv, opts
+    opts.script, opts.argv, Trainer.opts = "-mexperiments.lab", argv, opts  # python -mexperiments.lab: -m
     mus, lrs = opts.sweep or [config.num_iterations], opts.lrs or [config.learning_rate]
     seeds = [config.seed + i for i in range(opts.seeds)]
     several = len(mus) * len(lrs) * len(seeds) > 1
@@ -231,7 +234,7 @@ def sweep_row(mu, lr, runs, base, budget, target):
     steps, recent = [r["points"][-1]["step"] for r in runs], [recent_reward(r["points"]) for r in runs]
     per_step = statistics.mean(map(seconds_per_step, runs))
     reuse = [p for r in runs for p in r["points"] if not p["generated"]]
-    clips = [p["clip_ratio_low"] + p["clip_ratio_high"] for p in reuse]
+    clips = [clip_fraction(p) for p in reuse]
     shares = cost_shares(base) if base else None
     worth = where_mu_pays(runs, base, shares, budget["elapsed"]) if base and mu > 1 else None
     row = {"μ": mu, "learning rate": lr,
@@ -265,8 +268,9 @@ def table_note(budget, target):
         notes.append("time to target: the median over the seeds that reached it, and how many did.")
     notes += ["s/step: a run's elapsed seconds ÷ its optimizer steps (the first step's warm-up included), "
               "mean over seeds; T(μ)/T(1) measured: μ's s/step ÷ μ = 1's at the same learning rate.",
-              "clip fraction: clip_ratio_low + clip_ratio_high on the logged steps that did not generate "
-              "(reuse steps), mean over them and the seeds; μ = 1 never clips (its π_old is π_θ itself).",
+              "clip fraction: the clip ratios at the low and the high bound, summed, on the logged steps "
+              "that did not generate (reuse steps), mean over them and the seeds; μ = 1 never clips (its "
+              "π_old is π_θ itself).",
               "T(μ)/T(1) predicted: (1 − g) + (g + l)/μ, from the μ = 1 runs at the same learning rate (g, l "
               "column): g, the share of their seconds spent generating (time_generate, plus time_logps: with "
               "β > 0 the reference pass, which μ > 1 also makes once per generation batch), and l, the share "

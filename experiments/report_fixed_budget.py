@@ -5,26 +5,27 @@ The verdict comes from the confirmation rows only: per (arm, budget) the mean he
 confirmation seeds with a 95 % t-interval, and each arm's paired difference from μ = 1 at the same budget
 with a 95 % paired t-interval (seed s of both arms shares its first prompts and samples). The tuning rows
 give the chosen rates and the grids around them. The seconds each arm takes to spend a budget come from a
-cost model with measured parts (docs/update-clock/benchmark-cpu.md on this CPU; docs/gpu-benchmark on an
-H200, a prediction).
+cost model with measured parts (docs/update-clock/benchmark-cpu.md, one core of a 2-core AMD EPYC;
+docs/performance.md's H200 figures, a prediction). A difference whose interval holds 0 reads
+"inconclusive".
 
-    python experiments/report_fixed_budget.py [docs/fixed-budget/rows.jsonl]
+    python -m experiments.report_fixed_budget [runs/fixed-budget/rows.jsonl]
+    python -m experiments.report_fixed_budget docs/fixed-budget/rows.jsonl   # the committed study's table
 """
 import json, math, os, statistics, sys, textwrap
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import fixed_budget as fb  # noqa: E402
+from experiments import fixed_budget as fb
 
 SETTING = ("SmolLM2-135M-Instruct on one CPU core, the length reward −|40 − len(completion)| on 40 TL;DR "
            "posts, scored on 8 held-out posts × 4 samples; 1 prompt × 8 completions per optimizer step, "
            "constant learning rate, each (arm, budget) at its tuned rate")
 # The cost of a step, in parts of a μ = 1 step's seconds T1: g generating, l one π_old pass over a step's
 # completions, r_4 a 4× larger generation batch's time ÷ one's. CPU: docs/update-clock/benchmark-cpu.md
-# (this shape, this machine, 2026-12-01: T1 = 5.91 s, fixed-length decoding). GPU: docs/gpu-benchmark (an
-# H200, random SmolLM2 weights, another shape: g = 2.24/3.16, l = 0.409/3.16); r_4 was not measured there:
-# 1 if decoding is launch-bound, as predicted, up to 4 if it is compute-bound.
-COSTS = {"this CPU (measured parts)": dict(g=0.431, l=0.161, r_4=2.209),
-         "H200 (predicted, r_4 = 1)": dict(g=0.709, l=0.129, r_4=1.0)}
+# (this shape, one core of a 2-core AMD EPYC, 2026-12-01: T1 = 5.91 s, fixed-length decoding). GPU:
+# docs/performance.md (an H200, random SmolLM2 weights, another shape: g = 2.24/3.16, l = 0.409/3.16); r_4
+# was not measured there: 1 if decoding is launch-bound, as predicted, up to 4 if it is compute-bound.
+CPU = "one EPYC core (measured parts)"
+COSTS = {CPU: dict(g=0.431, l=0.161, r_4=2.209), "H200 (predicted, r_4 = 1)": dict(g=0.709, l=0.129, r_4=1.0)}
 
 
 # ---- Statistics -----------------------------------------------------------------------------------------
@@ -86,11 +87,20 @@ def fmt(stat, digits=1):
     return f"{stat[0]:+.{digits}f} [{stat[1]:+.{digits}f}, {stat[2]:+.{digits}f}]"
 
 
+def reading(stat):
+    """What a paired difference's interval says: it holds 0 (inconclusive), or lies below or above it."""
+    if stat[2] < 0:
+        return "below μ = 1"
+    if stat[1] > 0:
+        return "above μ = 1"
+    return "inconclusive"
+
+
 def report(rows, folder):
     tuning, confirm = fb.scores(rows, "tune"), fb.scores(rows, "confirm")
     chosen = fb.choose_rates(tuning, fb.SEEDS["tune"])
     start = next((r["eval_reward"] for r in rows if r["step"] == 0), None)
-    fb.gm.require(start is not None, "the rows hold no run yet: run experiments/fixed_budget.py tune first")
+    fb.gm.require(start is not None, "the rows hold no run yet: run python -m experiments.fixed_budget tune")
     lines = [f"Setting: {SETTING}. Untrained: {start:.1f}.", "", "## Tuning (seeds 42-47): mean held-out "
              "reward per rate; the chosen rate in bold", "", "| arm | budget | " + " | ".join(
                  f"{lr:g}" for lr in sorted({lr for v in tuning.values() for lr in v})) + " | inside |",
@@ -108,7 +118,8 @@ def report(rows, folder):
     lines += ["", "## Confirmation (fresh seeds): each (arm, budget) at its chosen rate", "",
               "mean [95 % t-interval] over the seeds; Δ: paired difference from μ = 1 at the same budget, "
               "[95 % paired t-interval] (six comparisons, no correction for multiplicity)", "",
-              "| arm | budget | rate | seeds | held-out reward | Δ vs μ = 1 |", "|---|---|---|---|---|---|"]
+              "| arm | budget | rate | seeds | held-out reward | Δ vs μ = 1 | reading |",
+              "|---|---|---|---|---|---|---|"]
     for b in fb.BUDGETS:
         base = confirm.get(("μ=1", b), {}).get(chosen.get(("μ=1", b), (None,))[0], {})
         for arm in fb.ARMS:
@@ -119,7 +130,7 @@ def report(rows, folder):
             stat = t_interval(list(seeds.values()))
             delta = paired(seeds, base) if arm != "μ=1" and len(set(seeds) & set(base)) >= 2 else None
             lines.append(f"| {arm} | {b} | {lr:g} | {stat[3]} | {fmt(stat)} | "
-                         f"{fmt(delta) if delta else '—'} |")
+                         f"{fmt(delta) if delta else '—'} | {reading(delta) if delta else '—'} |")
             key = f"{arm}@{b}"
             summary["chosen_lr"][key], summary["confirm"][key] = lr, stat
             if delta:
@@ -156,7 +167,7 @@ def draw(summary, start, path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.6))
-    cpu = summary["seconds"]["this CPU (measured parts)"]
+    cpu = summary["seconds"][CPU]
     for i, arm in enumerate(fb.ARMS):
         keys = [f"{arm}@{b}" for b in fb.BUDGETS if f"{arm}@{b}" in summary["confirm"]]
         if not keys:
@@ -170,8 +181,8 @@ def draw(summary, start, path):
             ax.errorbar([x + (i - 1.5) * (0.6 if ax is axes[0] else 2) for x in xs], mean, yerr=err,
                         marker="o", capsize=3, label=label, color=f"C{i}")
     axes[0].set(xlabel="completions generated", title="per completion (measured)")
-    axes[1].set(xlabel="seconds on this CPU (the cost model's, from measured parts)",
-                title="per second on this CPU (cost model)")
+    axes[1].set(xlabel="seconds on one EPYC core (the cost model's, from measured parts)",
+                title="per second on one EPYC core (cost model)")
     for ax in axes:
         ax.set_ylabel("held-out reward, −|40 − characters|")
         ax.grid(alpha=0.3)

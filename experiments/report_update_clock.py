@@ -8,15 +8,19 @@ completions generated, with paired bootstrap intervals (the seeds are shared: se
 prompts and samples in every arm); the worth w of an off-policy step (a reuse step for μ > 1, a stale
 mini-batch for S > 1) in fresh steps, with its interval; the off-policy steps' clip fraction.
 
-    python experiments/report_update_clock.py [docs/update-clock/rows.jsonl]
+A paired difference whose t-interval holds 0 reads "inconclusive".
+
+    python -m experiments.report_update_clock [runs/update-clock/rows.jsonl]
+    python -m experiments.report_update_clock docs/update-clock/rows.jsonl   # the committed study's table
 """
 import json, os, sys
 from collections import defaultdict
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from report_fixed_budget import t_interval  # noqa: E402  (few seeds: a t-interval beside the bootstrap)
+# Few seeds: a t-interval beside the bootstrap.
+from experiments.report_fixed_budget import reading, t_interval
+from experiments.update_clock import ROWS
 
 BOOTSTRAP, CI = 10_000, (2.5, 97.5)
 SETTING = ("SmolLM2-135M-Instruct, the length reward −|40 − len(completion)| on 40 TL;DR-style "
@@ -25,7 +29,7 @@ SETTING = ("SmolLM2-135M-Instruct, the length reward −|40 − len(completion)|
 
 def read(path):
     if not os.path.isfile(path):
-        raise SystemExit(f"error: no rows file {path!r}: run experiments/update_clock.py first")
+        raise SystemExit(f"error: no rows file {path!r}: run python -m experiments.update_clock first")
     with open(path) as f:
         rows = [json.loads(line) for line in f if line.endswith("\n")]
     if not any(r["step"] == 0 for r in rows) or not last_attempts(rows):
@@ -138,7 +142,7 @@ def report(rows, folder):
               "off-policy step is worth in fresh steps (1: as much; 0: nothing; > 1: the baseline never got "
               "there).", "",
               "| arm | best lr | inside the grid | Δ by steps | Δ by steps, paired t-interval | "
-              "Δ by completions (μ = 1 at step) | w |", "|---|---|---|---|---|---|---|"]
+              "reading | Δ by completions (μ = 1 at step) | w |", "|---|---|---|---|---|---|---|---|"]
     summary = {"setting": SETTING, "w": {}, "best_lr": {}, "delta_steps": {}, "delta_completions": {}}
     for arm in sorted(best):
         lr, (n_cycle, S) = best[arm]["lr"], cycle(arm)
@@ -152,7 +156,8 @@ def report(rows, folder):
         fresh = n / n_cycle  # each generation batch's first step is on-policy (ratio 1)
         w = bootstrap(pair, lambda m: worth(m["base"], m["arm"][n], n, fresh), rng) if arm != "μ=1" else None
         lines.append(f"| {arm} | {lr:g} | {'yes' if best[arm]['inside'] else 'no: extend the grid'} | "
-                     f"{fmt(*d_steps[:3])} | {fmt(*d_t) if d_t else '—'} | {fmt(*d_compl[:3])} ({at:g}) | "
+                     f"{fmt(*d_steps[:3])} | {fmt(*d_t) if d_t else '—'} | {reading(d_t) if d_t else '—'} | "
+                     f"{fmt(*d_compl[:3])} ({at:g}) | "
                      f"{fmt(*w[:3], 2) if w else '—'} |")
         summary["best_lr"][arm], summary["delta_steps"][arm] = lr, d_steps[:3]
         summary.setdefault("delta_steps_t", {})[arm] = d_t
@@ -197,6 +202,5 @@ def draw(data, best, base, path, rng):
 
 
 if __name__ == "__main__":
-    path = sys.argv[1] if len(sys.argv) > 1 else os.path.join(os.path.dirname(__file__), "..", "docs",
-                                                             "update-clock", "rows.jsonl")
+    path = sys.argv[1] if len(sys.argv) > 1 else ROWS
     print(report(read(path), os.path.dirname(path)))

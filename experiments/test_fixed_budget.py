@@ -1,11 +1,10 @@
 """Known answers for the fixed-budget experiment's clock, rate choice and statistics (no model is run)."""
-import math, os, statistics, sys
+import math, os, statistics
 
 import pytest
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import fixed_budget as fb  # noqa: E402
-import report_fixed_budget as rep  # noqa: E402
+from experiments import fixed_budget as fb
+from experiments import report_fixed_budget as rep
 
 
 def run_rows(phase, arm, lr, seed, evals, attempt="a", end=True):

@@ -1,13 +1,10 @@
 """The statistics behind docs/update-clock/table.md and the README's verdict, on hand-made curves with
 known answers: uneven points, ties, noise, a run that never ends, a target that is never reached."""
-import os
-import sys
-
 import numpy as np
 import pytest
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import report_update_clock as r  # noqa: E402
+from experiments import report_update_clock as r
+from experiments import update_clock
 
 BASE = {0: -60.0, 4: -50.0, 8: -40.0, 12: -30.0, 16: -20.0}  # μ = 1: +2.5 reward per step
 
@@ -112,7 +109,6 @@ def test_a_missing_or_empty_rows_file_is_named(tmp_path):
                                            (["--max-steps", "0"], "--max-steps must be >= 1"),
                                            (["--worker", "3", "--workers", "2"], "--worker must lie in")])
 def test_update_clock_refuses_flags_that_would_run_nothing_or_divide_by_zero(argv, message, capsys):
-    import update_clock
     with pytest.raises(SystemExit) as e:
         update_clock.main(argv)
     assert e.value.code == 2 and message in capsys.readouterr().err

@@ -8,22 +8,24 @@ steps_per_generation = 4 × gradient_accumulation_steps at μ = 1 (TRL's other r
 Each arm at its learning rates (RATES, or --lrs), with --seeds seeds. Every optimizer step writes a row to
 rows.jsonl (arm, lr, seed, step, completions generated, its training reward and clip fraction), and every
 --eval-every steps the held-out reward: the HELD_OUT posts of train_tldr.py (never trained on), 2
-completions each, sampled at temperature 1 from one fixed seed, the same for every arm and step.
+completions each, scored by experiments/heldout.py (decoded as in training, from one fixed seed, the same for
+every arm and step). The rows go to runs/update-clock/rows.jsonl (--rows), outside docs/: docs/update-clock
+holds the committed study's rows, which were scored with the tokenizer's EOS alone (for this model the
+same single id).
 
-    python experiments/update_clock.py --worker 0 --workers 2 &   # one per core (taskset -c 0 / 1)
-    python experiments/update_clock.py --worker 1 --workers 2 &
-    python experiments/report_update_clock.py                    # the table and the chart
+    python -m experiments.update_clock --worker 0 --workers 2 &   # one per core (taskset -c 0 / 1)
+    python -m experiments.update_clock --worker 1 --workers 2 &
+    python -m experiments.report_update_clock runs/update-clock/rows.jsonl   # the table and the chart
 
 Resumable: a run whose last row says "end" is kept; any other is run again from the start (a run is
 two minutes), so that the command can be repeated until every run has ended.
 """
-import argparse, fcntl, json, math, os, shutil, sys, tempfile
+import argparse, fcntl, json, math, os, shutil, tempfile
 
-import torch
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-import grpo_multistep as gm  # noqa: E402
-import train_tldr  # noqa: E402
+import grpo_multistep as gm
+import train_tldr
+from experiments.heldout import held_out_score
+from experiments.metric_names import clip_fraction, metric
 
 ARMS = {"μ=1": dict(num_iterations=1), "μ=2": dict(num_iterations=2), "μ=4": dict(num_iterations=4),
         "S=4": dict(num_iterations=1, steps_per_generation=4)}  # S: steps_per_generation / grad. accumulation
@@ -35,22 +37,9 @@ RATES = {"μ=1": [1e-5, 2e-5, 4e-5], "μ=2": [2e-5, 4e-5, 8e-5], "μ=4": [2e-5, 
 SHAPE = dict(per_device_train_batch_size=8, gradient_accumulation_steps=1, num_generations=8,
              max_prompt_length=128, max_completion_length=32, temperature=1.0, beta=0.0,
              lr_scheduler_type="constant", logging_steps=1, save_steps=10**6, overwrite_output_dir=True)
-EVAL_SEED, EVAL_SAMPLES, TARGET_CHARS = 1234, 2, 40
-
-
-def held_out_reward(trainer, prompts, reward):
-    """Mean reward of EVAL_SAMPLES completions per held-out prompt, from one fixed seed: the same random
-    numbers for every arm and step, so that differences come from the weights alone."""
-    args = gm.GRPOConfig(**{**SHAPE, "num_generations": EVAL_SAMPLES, "output_dir": trainer.args.output_dir})
-    ids, mask = gm.tokenize_prompts(trainer.tokenizer, prompts, args.max_prompt_length)
-    with torch.random.fork_rng():  # the training run's own random stream goes on untouched
-        torch.manual_seed(EVAL_SEED)
-        _, _, completion_ids, cmask = gm.generate_completions(trainer.model, trainer.tokenizer,
-                                                              ids, mask, args)
-    texts = trainer.tokenizer.batch_decode([r[:n] for r, n in zip(completion_ids.tolist(),
-                                                                  cmask.sum(1).tolist())],
-                                           skip_special_tokens=True)
-    return sum(reward(completions=texts)) / len(texts), sum(map(len, texts)) / len(texts)
+EVAL_SAMPLES, TARGET_CHARS = 2, 40
+ROWS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "runs", "update-clock",
+                    "rows.jsonl")
 
 
 class Run(gm.GRPOTrainer):
@@ -61,10 +50,10 @@ class Run(gm.GRPOTrainer):
         step = metrics["step"]
         row = {**self.tags, "step": step, "completions": math.ceil(step / cycle) * per_batch,
                "first_use": (step - 1) % cycle < S,  # a mini-batch's first use (its ratio starts at 1)
-               "clip": metrics["clip_ratio_low"] + metrics["clip_ratio_high"],
-               "train_reward": metrics.get("reward"), "completion_length": metrics.get("completion_length")}
+               "clip": clip_fraction(metrics), "train_reward": metrics.get("reward"),
+               "completion_length": metric(metrics, "completions/mean_length")}
         if step % self.eval_every == 0 or step == a.max_steps:
-            row["eval_reward"], row["eval_chars"] = held_out_reward(self, self.held_out, self.reward)
+            row.update(held_out_score(self, self.held_out, EVAL_SAMPLES))
         row["end"] = step == a.max_steps
         append(self.rows, row)
 
@@ -87,8 +76,7 @@ def main(argv=None):
     p.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
     p.add_argument("--max-steps", type=int, default=16)
     p.add_argument("--eval-every", type=int, default=4)
-    p.add_argument("--rows", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "docs",
-                                                 "update-clock", "rows.jsonl"))
+    p.add_argument("--rows", default=ROWS)
     p.add_argument("--model", default=train_tldr.OFFLINE_MODEL)
     p.add_argument("--worker", type=int, default=0)
     p.add_argument("--workers", type=int, default=1)
@@ -119,11 +107,10 @@ def main(argv=None):
         trainer = Run(model, reward, args=config, train_dataset=gm.Dataset.from_dict({"prompt": train}))
         trainer.tags, trainer.rows, trainer.eval_every = ({"arm": arm, "lr": lr, "seed": seed}, opts.rows,
                                                           opts.eval_every)
-        trainer.held_out, trainer.reward = held_out, reward
+        trainer.held_out = held_out
         if first:  # the same for every arm, rate and seed: the weights and the random numbers are
-            reward0, chars0 = held_out_reward(trainer, held_out, reward)
             append(opts.rows, {"arm": None, "lr": None, "seed": None, "step": 0, "completions": 0,
-                               "eval_reward": reward0, "eval_chars": chars0, "end": False})
+                               **held_out_score(trainer, held_out, EVAL_SAMPLES), "end": False})
             first = False
         print(f"run {i + 1}/{len(runs)}: {arm} lr={lr:g} seed={seed}", flush=True)
         try:

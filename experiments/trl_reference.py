@@ -1,8 +1,9 @@
 """TRL's own GRPOTrainer on the benchmark's configuration and prompts: the comparison in
-docs/performance.md. Not part of the project, and not run by its tests; it needs TRL, in a venv of its own:
+docs/performance.md. Not part of the project, and not run by its tests; it needs TRL, in a venv of its own,
+run from the repository's root:
 
     python3 -m venv /tmp/trl && . /tmp/trl/bin/activate && pip install torch==2.13.0 trl==1.16.0
-    python docs/trl_reference.py PROMPTS.jsonl MODEL_FOLDER STEPS
+    python -m experiments.trl_reference PROMPTS.jsonl MODEL_FOLDER STEPS
 
 PROMPTS.jsonl: the cpu preset's prompts (train_tldr.load_prompts("embedded").to_json(...)); MODEL_FOLDER:
 the converted SmolLM2-135M-Instruct (~/.cache/grpo_multistep/SmolLM2-135M-Instruct).

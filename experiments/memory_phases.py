@@ -1,6 +1,6 @@
 """Where the memory goes: peak resident memory (RSS) by phase of an optimizer step, on Linux.
 
-    python docs/cpu-benchmark/memory.py [STEPS] [train_tldr.py flags ...]
+    python -m experiments.memory_phases [STEPS] [train_tldr.py flags ...]
 
 Runs train_tldr.py's training on the benchmark's μ = 1, β = 0 configuration (experiments/benchmark.py's shape,
 completions ending at EOS) for STEPS optimizer steps (default
@@ -15,18 +15,16 @@ completions ending at EOS) for STEPS optimizer steps (default
 It prints one line per step, then the floor that no activation is part of: the imports' RSS before
 the model is loaded, and the bytes of weights, gradients and AdamW's two moments."""
 import functools
-import os
 import sys
 import threading
 import time
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
-import grpo_multistep  # noqa: E402
-import train_tldr  # noqa: E402
-from experiments import benchmark  # noqa: E402
-from experiments.measure_memory import in_phase, mallinfo, rss  # noqa: E402
+import grpo_multistep
+import train_tldr
+from experiments import benchmark
+from experiments.measure_memory import in_phase, mallinfo, rss
 
 GIB = 2**30
 phase = ["between"]
@@ -95,7 +93,7 @@ def main(argv):
     run = {"num_iterations": 1, "beta": 0.0, "logging_steps": 1, "max_steps": steps,
            "output_dir": "/tmp/grpo-memory"}
     config, opts = benchmark.parse_args([*(f"--{k}={v}" for k, v in run.items()), *flags])  # its shape first
-    opts.script, opts.argv = os.path.relpath(__file__), argv
+    opts.script, opts.argv = "-mexperiments.memory_phases", argv  # python -mexperiments.memory_phases: -m
     train_tldr.run_all(config, [config], config.output_dir, opts, Trainer, report=lambda *args: None)
     w = weight_bytes[0] / GIB
     print(f"weights {w:.2f} GiB, gradients {w:.2f} GiB, AdamW's two moments {2 * w:.2f} GiB: {4 * w:.2f} GiB")

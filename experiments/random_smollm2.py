@@ -1,7 +1,7 @@
 """A SmolLM2-135M-Instruct of random weights, with the real config and tokenizer, for timing runs on a
-machine that the real weights cannot reach (the GPU benchmark in docs/performance.md).
+machine that the real weights cannot reach (the GPU figures in docs/performance.md).
 
-    python docs/gpu-benchmark/random_smollm2.py FOLDER [SOURCE]
+    python -m experiments.random_smollm2 FOLDER [SOURCE]
 
 SOURCE: a folder with SmolLM2's config and tokenizer; by default the converted model that
 `python train_tldr.py` leaves in ~/.cache/grpo_multistep (or $GRPO_MULTISTEP_CACHE)."""

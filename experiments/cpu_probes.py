@@ -1,6 +1,6 @@
-"""The small measurements behind docs/performance.md, on this machine's CPU:
+"""The small measurements behind docs/performance.md, on the CPU at hand:
 
-    python docs/cpu-benchmark/probes.py
+    python -m experiments.cpu_probes
 
 - resident memory of Python once torch, transformers and datasets are imported (the memory floor's
   runtime share);
@@ -8,8 +8,6 @@
   completions) and with 1024 rows (a training micro-batch), in GFLOP/s;
 - one token drawn for each of 32 rows over SmolLM2's 49152-token vocabulary: torch.multinomial
   against the inverse-CDF sampler of grpo_multistep.py."""
-import os
-import sys
 import time
 
 
@@ -22,8 +20,7 @@ import transformers  # noqa: E402,F401
 import datasets  # noqa: E402,F401
 
 print(f"RSS after importing torch, transformers, datasets: {rss_gib():.2f} GiB")
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
-from grpo_multistep import sample_token  # noqa: E402
+from grpo_multistep import sample_token  # noqa: E402  (after the figure: it imports more)
 
 
 def best_ms(f, repeats):
