@@ -11,7 +11,7 @@ step the policy π_θ is no longer π_old, so each token's term is weighed by th
 
     loss_t = -min(ρ_t · A, clip(ρ_t, 1 - ε, 1 + ε_high) · A) + β · KL_t(π_θ ‖ π_ref)
 
-With μ = 1, π_θ is π_old: its log-probs are the current ones, detached, and the gradient is exactly the
+With μ·S = 1, π_θ is π_old: its log-probs are the current ones, detached, and the gradient is exactly the
 plain policy gradient (section 4 says why). A generation batch may also hold S optimizer steps' worth of
 completions (TRL's steps_per_generation): each of its S mini-batches is used μ times, μ·S steps in all.
 
@@ -179,7 +179,7 @@ def grpo_loss(logps, old_logps, ref_logps, advantages, mask, args, num_seqs, num
         loss = ((per_token_loss * mask).sum(1) / mask.sum(1).clamp(min=1)).sum() / num_seqs
     elif loss_type == "bnpo":  # TRL PR #2899's: each micro-batch's token mean, weighed by its share.
         loss = (per_token_loss * mask).sum() / mask.sum().clamp(min=1) * len(mask) / num_seqs
-    elif loss_type == "dapo":  # DAPO's: the sum over the step's tokens, divided by their number.
+    elif loss_type == "dapo":  # DAPO's: the step's token sum over its tokens (S > 1: their mean per step).
         loss = (per_token_loss * mask).sum() / num_tokens
     else:  # Dr. GRPO's: a constant divisor, so that no completion's length changes its tokens' weight.
         loss = (per_token_loss * mask).sum() / (num_seqs * getattr(args, "max_completion_length", 256))
@@ -289,7 +289,7 @@ class GRPOTrainer:
 
     @torch.no_grad()
     def cached_logps(self, model, batch):
-        """π_old's or π_ref's log-probs, in training's micro-batches, so that step 1's ratio is exactly 1"""
+        """π_old's or π_ref's log-probs, in training's micro-batches: a batch's first ratio is exactly 1."""
         width = batch["completion_ids"].size(1)
         parts = []
         for mb in micro_batches(batch, self.args.per_device_train_batch_size):
@@ -339,7 +339,7 @@ class GRPOTrainer:
         write_metrics(self, metrics)  # Rank 0 prints the row and appends it to output_dir/metrics.jsonl.
 
 # ======================================= PART II: THE ENGINEERING =======================================
-# The config, with TRL's names and defaults (but beta = 0 and learning_rate = 1e-6, as TRL PR #2899 had).
+# The config, with TRL's names; docs/reference.md lists each default beside TRL 1.16's.
 def arg(default, help):  # A field with its --help text: train_tldr.py turns every field into a flag.
     return field(default=default, metadata={"help": help})
 
@@ -798,8 +798,12 @@ def wait_for_files(paths, seconds=60):  # The other processes' files, without a 
 
 def list_checkpoints(output_dir):  # The complete ones, oldest first.
     names = os.listdir(output_dir) if os.path.isdir(output_dir) else []
-    steps = sorted(int(n[11:]) for n in names if n.startswith("checkpoint-") and n[11:].isdecimal())
-    return [os.path.join(output_dir, f"checkpoint-{s}") for s in steps]
+    found = []
+    for name in names:
+        number = name.removeprefix("checkpoint-")
+        if name.startswith("checkpoint-") and number.isdecimal():  # (Not checkpoint-<step>.tmp.)
+            found.append((int(number), os.path.join(output_dir, name)))
+    return [path for _, path in sorted(found)]
 
 def load_checkpoint(trainer, path):
     """Tensors and plain values only (safetensors, torch.load with weights_only): no code runs. It checks
@@ -832,7 +836,7 @@ def load_checkpoint(trainer, path):
         ours = trainer.model.state_dict()
     loaded = {ours[k].data_ptr() for k in weights if k in ours}
     tied = {k for k in ours if k not in weights and ours[k].data_ptr() in loaded}  # Saved once, as one.
-    wrong = [k for k in set(weights) | set(ours) - tied
+    wrong = [k for k in set(weights) | (set(ours) - tied)
              if k not in weights or k not in ours or weights[k].shape != ours[k].shape]
     require(not wrong, f"{file} is another model's: {sorted(wrong)[:3]} differ in name or shape")
     if peft:
