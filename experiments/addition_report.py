@@ -162,7 +162,8 @@ def tuning_section(rows, runs, start):
               "| arm | rate | clip by j (%) | KL k3 by j (×1e-3) | outside by j (%) |",
               "|---|---|---|---|---|"]
     for arm in ad.ARMS:
-        at = ad.means(tuning.get((arm, max(ad.BUDGETS)), {}), seeds)
+        by_lr = tuning.get((arm, max(ad.BUDGETS)), {})
+        at = {lr: statistics.mean(s.values()) for lr, s in by_lr.items()}  # the seeds finished so far
         if not at:
             continue
         best = max(at, key=at.get)
@@ -264,44 +265,86 @@ def seconds_section(rows, runs):
                 cells.append(f"{low:.2f}× to {high:.2f}×")
         lines.append(f"| {arm} | " + " | ".join("" if m is None else f"{m:.1f}" for m in medians) + " | "
                      + " | ".join(cells) + " |")
+    shares = measured_shares(runs, phase)
+    if shares:
+        lines += ["", "Measured here, from the trainer's seconds per phase (the sum over the phase's rows): "
+                  f"generation's share of a μ = 1 step g = {shares['g']:.2f}; the π_old pass against μ = 1's "
+                  f"update (forward, backward and optimizer) = {shares['old']:.2f}."]
+        summary["measured"] = shares
     return lines, {"seconds": summary}
+
+
+def measured_shares(runs, phase):
+    """{"g": generating's share of μ = 1's phase seconds, "old": the π_old pass of the μ > 1 arms per
+    mini-batch against μ = 1's update (forward, backward, optimizer) per mini-batch}, from the finished
+    runs' `time`; {} without such runs."""
+    update = ("forward", "backward", "optimizer")
+    reused = [arm for arm in ad.ARMS if ad.cycle(arm)[0] == 1 and ad.cycle(arm)[1] > 1]
+    sums = {"generate": 0.0, "update": 0.0, "batches": 0, "old": 0.0, "old_batches": 0}
+    for (p, arm, _, _), run in runs.items():
+        if p != phase or "time" not in run[-1]:
+            continue
+        batches = run[-1]["completions"] // ad.STEP_SIZE
+        seconds = {}
+        for r in run:
+            for name, value in r["time"].items():
+                seconds[name] = seconds.get(name, 0.0) + value
+        if arm == "μ=1":
+            sums["generate"] += seconds.get("generate", 0.0)
+            sums["update"] += sum(seconds.get(n, 0.0) for n in update)
+            sums["batches"] += batches
+        if arm in reused:
+            sums["old"] += seconds.get("logps", 0.0)
+            sums["old_batches"] += batches
+    if not sums["batches"] or not sums["old_batches"]:
+        return {}
+    per_update = sums["update"] / sums["batches"]
+    return {"g": sums["generate"] / (sums["generate"] + sums["update"]),
+            "old": sums["old"] / sums["old_batches"] / per_update}
 
 
 # ---- The chart -------------------------------------------------------------------------------------------
 def draw(rows, runs, start, path):
-    """Held-out accuracy against completions generated: each arm at its rate for 8,192 completions (the
-    confirmation seeds if any, else the tuning seeds), the mean with its 95 % t-interval."""
+    """Held-out accuracy against completions generated (left) and against optimizer steps (right): each arm
+    at its rate for 8,192 completions (its best so far while tuning), on the confirmation seeds if any,
+    else the tuning seeds; the mean, with its 95 % t-interval where two seeds or more have finished."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     phase = "confirm" if any(r["phase"] == "confirm" for r in rows) else "tune"
-    tuning, seeds = ad.scores(rows, "tune"), ad.SEEDS["tune"]
-    figure, axes = plt.subplots(figsize=(8, 5))
+    by_lr = ad.scores(rows, "tune")
+    figure, (left, right) = plt.subplots(1, 2, figsize=(12, 5), sharey=True)
     for arm in ad.ARMS:
         lr = ad.chosen_rates(rows).get((arm, max(ad.BUDGETS)))
-        at = ad.means(tuning.get((arm, max(ad.BUDGETS)), {}), seeds)
+        at = {x: statistics.mean(s.values()) for x, s in by_lr.get((arm, max(ad.BUDGETS)), {}).items()}
         if lr is None and at:  # tuning not over: its best so far
             lr = max(at, key=at.get)
         if lr is None:
             continue
-        xs, means, lows, highs = [0], [start], [start], [start]
+        points = [(0, 0, start, start, start)]
         for k in ad.EVALS:
             values = list(by_seed(runs, phase, arm, lr, k).values())
             if len(values) >= 2:
                 stat = t_interval(values)
-                xs.append(k * ad.STEP_SIZE)
-                means.append(stat["mean"])
-                lows.append(stat["low"])
-                highs.append(stat["high"])
-        line, = axes.plot(xs, means, marker="o", label=f"{arm} (lr {lr:g})")
-        axes.fill_between(xs, lows, highs, color=line.get_color(), alpha=0.15)
-    axes.set_xlabel("completions generated")
-    axes.set_ylabel("held-out exact match, sampled at T = 1")
-    label = "confirmation" if phase == "confirm" else "tuning (a first look, not the verdict)"
-    axes.set_title(f"2-digit sums: each arm at its rate for 8,192 completions, {label} seeds;\n"
-                   "mean and 95 % t-interval (shaded)", fontsize=10)
-    axes.legend(fontsize=8)
-    axes.grid(alpha=0.3)
+                points.append((k * ad.STEP_SIZE, ad.steps_at(arm, k), stat["mean"], stat["low"],
+                               stat["high"]))
+            elif values:
+                points.append((k * ad.STEP_SIZE, ad.steps_at(arm, k), values[0], values[0], values[0]))
+        completions, steps, means, lows, highs = zip(*points)
+        line, = left.plot(completions, means, marker="o", label=f"{arm} (lr {lr:g})")
+        left.fill_between(completions, lows, highs, color=line.get_color(), alpha=0.15)
+        right.plot(steps, means, marker="o", color=line.get_color())
+        right.fill_between(steps, lows, highs, color=line.get_color(), alpha=0.15)
+    left.set_xlabel("completions generated")
+    right.set_xlabel("optimizer steps (log scale)")
+    right.set_xscale("symlog", linthresh=4)
+    left.set_ylabel("held-out exact match, sampled at T = 1")
+    label = "confirmation seeds" if phase == "confirm" else "tuning seeds (a first look, not the verdict)"
+    figure.suptitle(f"2-digit sums, each arm at its rate for 8,192 completions, {label}: the mean, shaded "
+                    "its 95 % t-interval", fontsize=10)
+    left.legend(fontsize=8)
+    for axes in (left, right):
+        axes.grid(alpha=0.3)
     figure.tight_layout()
     figure.savefig(path, dpi=110)
     plt.close(figure)

@@ -126,3 +126,18 @@ def test_one_short_run_writes_its_rows(tmp_path):
     assert (row["step"], row["completions"], row["end"]) == (8, 256, True)
     assert row["kl"][0] == 0.0 and row["kl"][1] > 0.0 and row["clip"][0] == 0.0
     assert 0.0 <= row["accuracy"] <= 1.0 and row["train_reward"] is not None
+
+
+def test_the_reports_statistics_give_known_answers():
+    from experiments import addition_report as rep
+    assert rep.t_quantile(0.975, 19) == pytest.approx(2.093, abs=1e-3)
+    assert rep.t_quantile(0.975, 2) == pytest.approx(4.303, abs=1e-3)
+    stat = rep.paired({1: 0.5, 2: 0.6, 3: 0.7}, {1: 0.4, 2: 0.4, 3: 0.4, 4: 0.9})  # seed 4 is unpaired
+    assert stat["n"] == 3 and stat["mean"] == pytest.approx(0.2) and stat["median"] == pytest.approx(0.2)
+    assert (stat["low"], stat["high"]) == pytest.approx((0.2 - 4.303 * 0.1 / 3 ** 0.5,
+                                                         0.2 + 4.303 * 0.1 / 3 ** 0.5), abs=1e-4)
+    assert rep.reading({"low": 0.01, "high": 0.05}) == "higher"
+    assert rep.reading({"low": -0.02, "high": 0.025}) == "no difference (inside ±3 points)"
+    assert rep.reading({"low": -0.05, "high": 0.01}) == "inconclusive"
+    assert rep.predicted(0.5, 1, 1, 1.0) == 1.0
+    assert rep.predicted(0.5, 4, 1, 1.0) == pytest.approx(0.5 + 0.5 * (4 + 1 / 3))
