@@ -3,7 +3,8 @@ GRPOConfig, and fit_gpu, which chooses how the demo runs on a GPU's free memory 
 
 estimate_step_memory(config, args, ...) returns named terms in bytes and the peak: the largest of the phases'
 totals (generation, training forward and backward, the all-reduce, AdamW's step), each the sum of what is
-alive then. Checked against peak RSS on a 2-core CPU (experiments/measure_memory.py, docs/memory-model.md).
+alive then. Checked against peak RSS on a 2-core CPU (python -m experiments.measure_memory; the figures:
+docs/memory-model.md).
 
 Modeled: weights, gradients and AdamW's moments (trainable ones, float32); π_ref's copy; what autograd saves
 in a training micro-batch, with and without gradient checkpointing; the gradients that autograd holds back
@@ -179,8 +180,10 @@ def cuda_peak(config, args, lora_rank, world_size):  # a step after the first (A
 
 
 def flags(args, lora_rank, *more):  # the train_tldr.py flags that choose this way of running
-    return " ".join(["--gradient_checkpointing True"] * args.gradient_checkpointing
-                    + [f"--lora {lora_rank}"] * (lora_rank is not None) + list(more))
+    chosen = ["--gradient_checkpointing True"] if args.gradient_checkpointing else []
+    if lora_rank is not None:
+        chosen.append(f"--lora {lora_rank}")
+    return " ".join([*chosen, *more])
 
 
 def lora_weights(args):  # an adapter's frozen base: bfloat16 under bf16 autocast, which computes in it anyway
@@ -229,7 +232,7 @@ def fit_gpu(args, lora_rank, model, world_size=1, free=None, as_given=False):
     else:
         config = transformers.AutoConfig.from_pretrained(model, trust_remote_code=remote)
     args = args if lora_rank is None else lora_weights(args)
-    lora, on = lora_weights(args), " on bfloat16 weights" * args.bf16
+    lora, on = lora_weights(args), " on bfloat16 weights" if args.bf16 else ""
     options = [("as given", args, lora_rank)]
     if not args.gradient_checkpointing:
         options.append(("with gradient checkpointing", replace(args, gradient_checkpointing=True), lora_rank))

@@ -33,8 +33,6 @@ HELD_OUT = 8  # the last HELD_OUT embedded posts never train, so that experiment
 RANK0, WORLD_SIZE = int(os.environ.get("RANK", 0)) == 0, int(os.environ.get("WORLD_SIZE", 1))  # torchrun's
 DATA_FILES = (".json", ".jsonl", ".parquet")
 CLOCKS = (("step", "optimizer steps"), ("generated_completions", "completions generated"))  # the lab's too
-# TRL's metric names, each with the older name of a core that still writes that one
-CLIP_RATIOS = (("clip_ratio/low_mean", "clip_ratio_low"), ("clip_ratio/high_mean", "clip_ratio_high"))
 PRESETS = {
     "pr2899": dict(  # TRL PR #2899's reproduction script as written, but for ASCII folder names ("mu=")
         model="Qwen/Qwen2.5-0.5B", dataset="trl-lib/tldr", target_chars=100,  # its comment: 20; its code: 100
@@ -90,7 +88,9 @@ def parse_args(argv, parser=None, preset=None, checks=lambda opts: []):
     parser.set_defaults(**PRESETS[preset], preset=preset)
     parser.add_argument("-h", "--help", action="help", help="show this help (the defaults: the preset's)")
     namespace, fields = vars(parser.parse_args(argv)), typing.get_type_hints(GRPOConfig)
-    values = {k: v for k, v in namespace.items() if k in fields}
+    # None for a field that takes no None: HfArgumentParser dropped its default (a list's: report_to's)
+    values = {k: v for k, v in namespace.items()
+              if k in fields and (v is not None or type(None) in typing.get_args(fields[k]))}
     values["reward_weights"] = None if values["reward_weights"] == [None] else values["reward_weights"]
     try:
         config = GRPOConfig(**values)  # GRPOConfig checks its own values
@@ -213,8 +213,7 @@ class Trainer(GRPOTrainer):
         finite = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in metrics.items()}
         with open(os.path.join(self.args.output_dir, "metrics.jsonl"), "a") as f:
             f.write(json.dumps(finite) + "\n")  # null, not NaN: what jq and JSON.parse read
-        fresh = "reward" in metrics
-        clip = sum(metrics[new] if new in metrics else metrics[old] for new, old in CLIP_RATIOS)
+        fresh, clip = "reward" in metrics, metrics["clip_ratio/region_mean"]  # TRL's: low and high together
         new = f"  reward {metrics['reward']:.4g}" if fresh else ""  # a generation batch: its samples, once
         print(f"step {metrics['step']}/{self.args.max_steps}{new}  clip {clip:.3g}  "
               f"{metrics['elapsed'] / metrics['step']:.3g} s/step", flush=True)
@@ -314,8 +313,9 @@ def run_all(config, configs, folder, opts, trainer_class=Trainer, report=None):
     return code  # (under torchrun the core ends the process group at exit)
 
 # ---- The chart: the reward against optimizer steps, completions generated and seconds, a line per μ ----
-def config_changes(config):  # the fields whose values are not GRPOConfig's defaults
-    return {k: v for k, v in vars(config).items() if v != GRPOConfig.__dataclass_fields__[k].default}
+def config_changes(config):  # the fields whose values are not GRPOConfig's defaults (as it normalizes them)
+    defaults = vars(GRPOConfig())
+    return {k: v for k, v in vars(config).items() if v != defaults[k]}
 
 def chart(config, configs, folder, opts):  # each generation batch's mean reward: a fresh sample of the policy
     fig, axes = plt.subplots(1, len(CLOCKS) + 1, figsize=(15, 4.5))

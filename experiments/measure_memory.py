@@ -121,7 +121,8 @@ def child(spec):
                 live[label] = max(live.get(label, 0), m.uordblks + m.hblkhd)
             time.sleep(0.002)
 
-    for owner, name, label in [(gm, "generate_completions", "generate"), (gm, "cached_logps", "logps"),
+    for owner, name, label in [(gm, "generate_completions", "generate"),
+                               (gm.GRPOTrainer, "cached_logps", "logps"),
                                (gm, "per_token_logps", "forward"), (torch.Tensor, "backward", "backward"),
                                (torch.optim.AdamW, "step", "optimizer"), (gm, "save_checkpoint", "save")]:
         in_phase(phase, owner, name, label)
@@ -196,8 +197,8 @@ def main(argv):
     estimate, live = (estimate_step_memory(model_config_, grpo_config, baseline=result["baseline"],
                                            first_step=opts.steps == 1, device=device)
                       for device in ("cpu", "none"))  # "none": without the CPU allocator's retention
-    print(f"{opts.model}, {opts.shapes} shapes{', bf16 autocast' * opts.bf16}, {opts.steps} step(s), torch "
-          f"{result['torch']}, "
+    precision = "bf16 autocast" if opts.bf16 else "float32"
+    print(f"{opts.model}, {opts.shapes} shapes, {precision}, {opts.steps} step(s), torch {result['torch']}, "
           f"{os.cpu_count()} cores, {result['seconds']:.0f} s; {result['params']:,} parameters")
     print("measured peak RSS by phase (GiB): " + ", ".join(f"{k} {v / GIB:.2f}"
                                                            for k, v in result["phases"].items()))
