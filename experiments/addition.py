@@ -484,6 +484,16 @@ def tasks(phase, rows):
     return [(arm, lr, seed) for seed in SEEDS[phase] for arm, lr in pairs]
 
 
+def run_length(phase, arm, lr, rows):
+    """Mini-batches of 64 a run goes to: a tuning run to the largest budget; a bridge or confirmation run to
+    the largest budget that chose its rate (a constant-rate run read at step k is the k-step run, so
+    running on would change none of its rows)."""
+    if phase == "tune":
+        return max(EVALS)
+    chosen = chosen_rates(rows)
+    return max(b for b in BUDGETS if chosen[arm, b] == lr)
+
+
 def git(*args):
     return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
 
@@ -569,7 +579,7 @@ def work(command, worker, folder=ROWS):
         phase, arm, lr, seed = claimed
         print(f"worker {worker}: {phase} {arm} lr={lr:g} seed={seed}", flush=True)
         tags = {"phase": phase, "arm": arm, "lr": lr, "seed": seed, **version}
-        run_one(tags, start, tokenizer, rows_path)
+        run_one(tags, start, tokenizer, rows_path, max_batches=run_length(phase, arm, lr, read(rows_path)))
     print(f"worker {worker}: no {' or '.join(phases)} run is left", flush=True)
 
 

@@ -69,6 +69,13 @@ def reading(diff, margin=MARGIN):
     return "inconclusive"
 
 
+def latest_phase(runs):
+    """"confirm" once a confirmation run has finished, else "tune"."""
+    if any(key[0] == "confirm" for key in runs):
+        return "confirm"
+    return "tune"
+
+
 def collapsed(accuracy, start):
     return accuracy < start / 2
 
@@ -136,8 +143,11 @@ def tuning_section(rows, runs, start):
                 if len(by_lr[lr]) < len(seeds):
                     text += f" (n = {len(by_lr[lr])})"
                 cells.append(text)
-            done = (arm, b) in chosen and arm not in ad.SAME_RATE
-            inside = "yes" if done else "not yet"
+            inside = "not yet"
+            if (arm, b) in chosen:
+                inside = "yes"
+            if (arm, b) in chosen and arm in ad.SAME_RATE:
+                inside = f"yes; confirmed at {ad.SAME_RATE[arm]}'s rate"
             lines.append(f"| {arm} | {b * ad.STEP_SIZE:,} | " + " | ".join(cells) + f" | {inside} |")
             summary[f"{arm} @ {b * ad.STEP_SIZE}"] = {"means": {f"{lr:g}": at[lr] for lr in at},
                                                      "best": best, "grid": grid}
@@ -235,7 +245,7 @@ def predicted(g, mu, S, r):
 
 def seconds_section(rows, runs):
     """Median training seconds to spend each budget, measured here, and the cost model's predictions."""
-    phase = "confirm" if any(r["phase"] == "confirm" for r in rows) else "tune"
+    phase, chosen = latest_phase(runs), ad.chosen_rates(rows)
     lines = [f"## Per second ({phase} rows)", "",
              "Median training seconds (the trainer's time, without scoring and diagnostics) to spend each "
              "budget on this shared 2-core machine, measured; then the cost model's time relative to μ = 1 "
@@ -249,8 +259,10 @@ def seconds_section(rows, runs):
     for arm in ad.ARMS:
         medians = []
         for b in ad.BUDGETS:
-            values = [at_budget(run, b)["seconds"] for (p, a, _, _), run in runs.items()
-                      if (p, a) == (phase, arm)]
+            rate = chosen.get((arm, b))  # confirmation: the runs at the budget's rate; tuning: every rate
+            values = [r["seconds"] for (p, a, lr, _), run in runs.items()
+                      if (p, a) == (phase, arm) and (phase == "tune" or lr == rate)
+                      for r in run if r["completions"] == b * ad.STEP_SIZE]
             medians.append(statistics.median(values) if values else None)
         mu = ad.ARMS[arm]["num_iterations"]
         S = ad.cycle(arm)[0]
@@ -311,7 +323,7 @@ def draw(rows, runs, start, path):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    phase = "confirm" if any(r["phase"] == "confirm" for r in rows) else "tune"
+    phase = latest_phase(runs)
     by_lr = ad.scores(rows, "tune")
     figure, (left, right) = plt.subplots(1, 2, figsize=(12, 5), sharey=True)
     for arm in ad.ARMS:
@@ -360,12 +372,14 @@ def report(rows_path, folder):
              f"Rows: {len(rows)}, finished runs: {len(runs)} "
              f"({', '.join(sorted({f'{p} {sum(k[0] == p for k in runs)}' for p, *_ in runs}))}).", ""]
     summary = {"start": start}
-    if any(k[0] == "confirm" for k in runs):
+    if latest_phase(runs) == "confirm":
         part, more = confirmation_section(rows, runs, start)
-        lines += part + [""] + bridge_section(rows, runs) + [""]
+        lines += part + [""]
         summary.update(more)
     else:
-        lines += ["No confirmation row yet: the tuning phase alone, a first look (not the verdict).", ""]
+        lines += ["No confirmation run has finished: the tuning phase alone, a first look (not the verdict).",
+                  ""]
+    lines += bridge_section(rows, runs) + [""]
     for section in (tuning_section(rows, runs, start), seconds_section(rows, runs)):
         lines += section[0] + [""]
         summary.update(section[1])

@@ -116,6 +116,8 @@ def test_the_clip_off_arm_is_confirmed_at_the_clipped_arms_rates():
                                              ("μ=4 no clip", b, 101)]
     assert ad.tasks("bridge", rows) == [("μ=4", a, 1), ("μ=4", b, 1), ("μ=4 no clip", a, 1),
                                         ("μ=4 no clip", b, 1)]
+    assert ad.run_length("confirm", "μ=4", a, rows) == 32 and ad.run_length("confirm", "μ=4", b, rows) == 128
+    assert ad.run_length("tune", "μ=4", a, rows) == 128
 
 
 def test_one_short_run_writes_its_rows(tmp_path):
