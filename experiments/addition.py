@@ -258,7 +258,7 @@ class Reward:
     def __init__(self, name, trainer_args):
         self.reward, self.__name__, self.args = REWARDS[name], REWARDS[name].__name__, trainer_args
         self.model, self.tokenizer, self.batch = None, None, None
-        self.seconds = 0.0  # spent keeping π_old's log-probs: not training's time
+        self.seconds, self.cpu_seconds = 0.0, 0.0  # spent keeping π_old's log-probs: not training's time
 
     def __call__(self, prompts, completions, completion_ids, answer, **kwargs):
         if self.args.num_iterations * (self.args.steps_per_generation or 1) > 1:
@@ -267,7 +267,7 @@ class Reward:
 
     def keep(self, prompts, completion_ids):
         """The first DIAG_ROWS completions (DIAG_ROWS / 8 prompts' groups) of each mini-batch of 64."""
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         rows = [i for i in range(len(prompts)) if i % STEP_SIZE < DIAG_ROWS]
         prompt_ids, prompt_mask = gm.tokenize_prompts(self.tokenizer, [prompts[i] for i in rows], None)
         kept = [completion_ids[i] for i in rows]
@@ -277,6 +277,7 @@ class Reward:
         mask = torch.tensor([[1] * len(c) + [0] * (width - len(c)) for c in kept])
         old = token_logps(self.model, prompt_ids, prompt_mask, ids, mask, self.args.temperature)
         self.seconds += time.perf_counter() - start
+        self.cpu_seconds += time.process_time() - cpu
         return {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "ids": ids, "mask": mask, "old": old}
 
     def drift(self, mini_batch):
@@ -305,8 +306,10 @@ class Recorder:
         self.evals = {steps_at(tags["arm"], k): k for k in EVALS}
         self.steps = 0  # counted here: log() is called once a step (logging_steps=1)
         self.pending = (0.0, 0.0)  # the next step's drift, measured before it
-        self.extra = 0.0  # seconds spent outside training (scoring, diagnostics), taken off the clock
-        self.clock = time.perf_counter()
+        # Seconds spent outside training (scoring, diagnostics), taken off the clocks: the wall clock, and
+        # this process's CPU time, which other work on a shared core does not lengthen.
+        self.extra, self.cpu_extra = 0.0, 0.0
+        self.clock, self.cpu_clock = time.perf_counter(), time.process_time()
         self.window = self.empty_window()
 
     def empty_window(self):
@@ -315,7 +318,7 @@ class Recorder:
                 "kept": self.reward.seconds}
 
     def log(self, trainer, metrics):
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         self.steps += 1
         step, j, w = self.steps, (self.steps - 1) % self.cycle, self.window
         if metric(metrics, "clip") is not None:
@@ -336,11 +339,14 @@ class Recorder:
         if step in self.evals:
             self.write_row(trainer, step, metrics)
         self.extra += time.perf_counter() - start
+        self.cpu_extra += time.process_time() - cpu
 
     def write_row(self, trainer, step, metrics):
         w, mean = self.window, lambda xs: statistics.mean(xs) if xs else None
         row = {**self.tags, "step": step, "completions": self.evals[step] * STEP_SIZE,
                "seconds": round(time.perf_counter() - self.clock - self.extra - self.reward.seconds, 3),
+               "cpu_seconds": round(time.process_time() - self.cpu_clock - self.cpu_extra
+                                    - self.reward.cpu_seconds, 3),
                "train_reward": mean(w["reward"]), "length": mean(w["length"]),
                "clip": [mean(x) for x in w["clip"]], "kl": [mean(x) for x in w["kl"]],
                "outside": [mean(x) for x in w["outside"]], "entropy": metric(metrics, "entropy"),

@@ -247,8 +247,10 @@ def seconds_section(rows, runs):
     """Median training seconds to spend each budget, measured here, and the cost model's predictions."""
     phase, chosen = latest_phase(runs), ad.chosen_rates(rows)
     lines = [f"## Per second ({phase} rows)", "",
-             "Median training seconds (the trainer's time, without scoring and diagnostics) to spend each "
-             "budget on this shared 2-core machine, measured; then the cost model's time relative to μ = 1 "
+             "Median training seconds to spend each budget on one core of this shared 2-core machine, "
+             "measured as the process's CPU time (which other work on the core does not lengthen; rows "
+             "without it: wall time), without scoring and diagnostics; then the cost model's time relative "
+             "to μ = 1 "
              "for a machine where generating takes a share g of a μ = 1 step, predictions: "
              "g·r + (1 − g)(μ + 1/3) where μ·S > 1, r = 1 but for S = 4, where r = 1/4 (a 4× larger "
              "generation call as long as one: launch-bound) to 1 (compute-bound).", "",
@@ -260,7 +262,7 @@ def seconds_section(rows, runs):
         medians = []
         for b in ad.BUDGETS:
             rate = chosen.get((arm, b))  # confirmation: the runs at the budget's rate; tuning: every rate
-            values = [r["seconds"] for (p, a, lr, _), run in runs.items()
+            values = [r.get("cpu_seconds", r["seconds"]) for (p, a, lr, _), run in runs.items()
                       if (p, a) == (phase, arm) and (phase == "tune" or lr == rate)
                       for r in run if r["completions"] == b * ad.STEP_SIZE]
             medians.append(statistics.median(values) if values else None)
