@@ -23,11 +23,11 @@ it, so two never run the same one. Rows, claims and the report go to --folder, r
 The held-out score is experiments/heldout.py's. The tuning phase extends an arm's grid, a factor 2 at a
 time, wherever a budget's best rate is at its edge, until every best is strictly inside.
 """
-import argparse, fcntl, json, math, os, shutil, statistics, tempfile, time, uuid
-from contextlib import contextmanager
+import argparse, math, os, shutil, statistics, tempfile, time, uuid
 
 import grpo_multistep as gm
 import train_tldr
+from experiments.addition import alive, append, locked, read
 from experiments.heldout import held_out_score
 from experiments.metric_names import clip_fraction, metric
 
@@ -70,19 +70,6 @@ def budget_scores(run_rows, arm):
 
 
 # ---- The rows ------------------------------------------------------------------------------------------
-def read(path):
-    if not os.path.exists(path):
-        return []
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.endswith("\n")]  # not a line cut short
-
-
-def append(path, row):  # the workers append to one file: a lock per line
-    with open(path, "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        f.write(json.dumps(row) + "\n")
-
-
 def finished_runs(rows):
     """{(phase, arm, lr, seed): that run's rows} for runs whose attempt reached its end (the last such)."""
     attempts, runs = {}, {}
@@ -189,23 +176,6 @@ def run_one(phase, arm, lr, seed, max_steps, model, train, held_out, rows):
         trainer.train()
     finally:
         shutil.rmtree(out, ignore_errors=True)
-
-
-@contextmanager
-def locked(path):
-    with open(path, "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        yield
-
-
-def alive(pid):
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass
-    return True
 
 
 def claim_next(phases, rows_path, claims_path):

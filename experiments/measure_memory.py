@@ -76,7 +76,8 @@ def rss():
 
 def in_phase(phase, owner, name, label, on_end=None):
     """Wrap owner.name so that its calls set phase[0] to `label` (a call inside another phase keeps that one)
-    for a sampling thread to read; on_end(label) runs as such a call ends (docs/cpu-benchmark/memory.py's)."""
+    for a sampling thread to read; on_end(label) runs as such a call ends (experiments/memory_phases.py passes
+    its record_heap_free)."""
     f = getattr(owner, name)
 
     @functools.wraps(f)

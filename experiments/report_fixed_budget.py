@@ -15,6 +15,7 @@ docs/performance.md's H200 figures, a prediction). A difference whose interval h
 import json, math, os, statistics, sys, textwrap
 
 from experiments import fixed_budget as fb
+from experiments.addition_report import t_quantile
 
 SETTING = ("SmolLM2-135M-Instruct on one CPU core, the length reward −|40 − len(completion)| on 40 TL;DR "
            "posts, scored on 8 held-out posts × 4 samples; 1 prompt × 8 completions per optimizer step, "
@@ -29,26 +30,6 @@ COSTS = {CPU: dict(g=0.431, l=0.161, r_4=2.209), "H200 (predicted, r_4 = 1)": di
 
 
 # ---- Statistics -----------------------------------------------------------------------------------------
-def t_quantile(p, df):
-    """The p-quantile of Student's t with df degrees of freedom (p > 0.5): its density integrated by
-    Simpson's rule from 0, and the upper limit found by bisection."""
-    density = lambda x: (1 + x * x / df) ** (-(df + 1) / 2)
-    norm = math.gamma((df + 1) / 2) / (math.sqrt(df * math.pi) * math.gamma(df / 2))
-
-    def cdf(x, n=2000):
-        h = x / n
-        total = density(0) + density(x) + sum((4 if i % 2 else 2) * density(i * h) for i in range(1, n))
-        return 0.5 + norm * total * h / 3
-
-    low, high = 0.0, 1.0
-    while cdf(high) < p:
-        high *= 2
-    for _ in range(60):
-        mid = (low + high) / 2
-        low, high = (mid, high) if cdf(mid) < p else (low, mid)
-    return (low + high) / 2
-
-
 def t_interval(values, level=0.95):
     """(mean, low, high, n): the mean and its t-interval (n - 1 degrees of freedom)."""
     n, mean = len(values), statistics.mean(values)
@@ -67,7 +48,7 @@ def seconds_to_spend(arm, budget, g, l, r_4):
     """The seconds an arm takes to generate `budget` completions and take every step they serve, in units
     of a μ = 1 step's: per generation batch, generating (g, × r_S for a larger one), a π_old pass per
     mini-batch where a batch serves more than one step (S·l), and μ·S training steps of (1 − g) each."""
-    mu, S = fb.ARMS[arm]["num_iterations"], fb.ARMS[arm].get("steps_per_generation", 1)
+    S = fb.ARMS[arm].get("steps_per_generation", 1)
     size, steps = fb.per_generation(arm)
     r = {1: 1.0, 4: r_4}[S]
     return budget / size * (g * r + (S * l if steps > 1 else 0.0) + steps * (1 - g))

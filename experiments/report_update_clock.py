@@ -182,7 +182,6 @@ def draw(data, best, base, path, rng):
         steps = sorted(mean_curve(seeds))
         stats = [bootstrap({arm: seeds}, lambda m, k=k: m[arm][k], rng) for k in steps]
         mean, low, high = (np.array([s[i] for s in stats]) for i in range(3))
-        per_step = 8 * S / n_cycle  # completions generated per optimizer step, on average
         label = f"{arm} (lr {best[arm]['lr']:g})"
         for ax, xs in ((axes[0], np.array(steps)), (axes[1], np.ceil(np.array(steps) / n_cycle) * 8 * S)):
             line, = ax.plot(xs, mean, marker="o", label=label)

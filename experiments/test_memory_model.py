@@ -72,7 +72,7 @@ def test_activations_are_what_autograd_saves(checkpointing):
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         gm.per_token_logps(model, prompt, torch.ones(b, P, dtype=torch.long), torch.randint(2, 512, (b, C)),
                            torch.ones(b, C, dtype=torch.long), 1.0)
-    H, I, L, heads, d = 256, 1024, 4, 4, 64
+    H, I, heads, d = 256, 1024, 4, 64
     rebuilt = b * (P + C) * (8 * H + 4 * I) * 4 + 2 * b * heads * (P + C) * d * 4 if checkpointing else 0
     assert sum(saved.values()) == pytest.approx(activation_bytes(config, args, 4, P)[0] - rebuilt, rel=0.05)
 
