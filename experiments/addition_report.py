@@ -82,14 +82,22 @@ def collapsed(accuracy, start):
 
 # ---- The rows ---------------------------------------------------------------------------------------------
 def at_budget(run, batches):
-    """The run's row after `batches` mini-batches of 64 completions."""
-    return next(r for r in run if r["completions"] == batches * ad.STEP_SIZE)
+    """The run's row after `batches` mini-batches of 64 completions; None if the run stopped before."""
+    for r in run:
+        if r["completions"] == batches * ad.STEP_SIZE:
+            return r
+    return None
 
 
 def by_seed(runs, phase, arm, lr, batches, field="accuracy"):
-    """{seed: the field at `batches`} of the phase's finished runs of (arm, lr)."""
-    return {seed: at_budget(run, batches)[field] for (p, a, r, seed), run in runs.items()
-            if (p, a, r) == (phase, arm, lr)}
+    """{seed: the field at `batches`} of the phase's finished runs of (arm, lr) that went that far (a bridge
+    or confirmation run stops at the largest budget that chose its rate)."""
+    found = {}
+    for (p, a, r, seed), run in runs.items():
+        row = at_budget(run, batches)
+        if (p, a, r) == (phase, arm, lr) and row is not None:
+            found[seed] = row[field]
+    return found
 
 
 def pct(x):

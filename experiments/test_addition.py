@@ -143,3 +143,12 @@ def test_the_reports_statistics_give_known_answers():
     assert rep.reading({"low": -0.05, "high": 0.01}) == "inconclusive"
     assert rep.predicted(0.5, 1, 1, 1.0) == 1.0
     assert rep.predicted(0.5, 4, 1, 1.0) == pytest.approx(0.5 + 0.5 * (4 + 1 / 3))
+
+
+def test_a_run_that_stopped_at_the_smaller_budget_is_read_at_that_budget_only():
+    from experiments import addition_report as rep
+    row = {"phase": "bridge", "arm": "μ=2", "lr": 1.25e-5, "seed": 1, "completions": 32 * ad.STEP_SIZE,
+           "accuracy": 0.31}
+    runs = {("bridge", "μ=2", 1.25e-5, 1): [row]}
+    assert rep.by_seed(runs, "bridge", "μ=2", 1.25e-5, 32) == {1: 0.31}
+    assert rep.by_seed(runs, "bridge", "μ=2", 1.25e-5, 128) == {}
