@@ -227,6 +227,37 @@ def confirmation_section(rows, runs, start):
     return lines, {"confirmation": summary}
 
 
+def per_step_section(rows, runs):
+    """The plan's secondary reading: each arm at its rate for a budget, read after as many optimizer steps as
+    μ = 1 takes to spend that budget (so after fewer completions where μ > 1), paired against μ = 1."""
+    chosen = ad.chosen_rates(rows)
+    lines = ["## Per optimizer step (a secondary reading: the rates were tuned per completion)", "",
+             "Each arm at its rate for a budget, read after the optimizer steps that μ = 1 takes to spend it "
+             "(μ > 1 has then generated 1/μ of the completions); held-out sampled accuracy (%), mean [95 % "
+             "t-interval], and the paired difference from μ = 1 at the same steps.", "",
+             "| arm | steps | rate | completions | seeds | accuracy | Δ vs μ=1 | reading |",
+             "|---|---|---|---|---|---|---|---|"]
+    summary = {}
+    for b in ad.BUDGETS:
+        base = by_seed(runs, "confirm", "μ=1", chosen["μ=1", b], b)
+        for arm in ad.ARMS:
+            batches = b // ad.ARMS[arm]["num_iterations"]
+            values = by_seed(runs, "confirm", arm, chosen[arm, b], batches)
+            if len(values) < 2:
+                continue
+            stat = t_interval(list(values.values()))
+            entry = {"rate": chosen[arm, b], "completions": batches * ad.STEP_SIZE, **stat}
+            diff_text = ["—", "—"]
+            if arm != "μ=1" and len(set(values) & set(base)) >= 2:
+                diff = paired(values, base)
+                entry["vs μ=1"] = {**diff, "reading": reading(diff)}
+                diff_text = [fmt(diff, signed=True), reading(diff)]
+            summary[f"{arm} @ step {b}"] = entry
+            lines.append(f"| {arm} | {b} | {chosen[arm, b]:g} | {batches * ad.STEP_SIZE:,} | {stat['n']} | "
+                         f"{fmt(stat)} | " + " | ".join(diff_text) + " |")
+    return lines, {"per_step": summary}
+
+
 def bridge_section(rows, runs):
     """Seed 1 at the chosen rates, tuning's code against the confirmation's."""
     lines = ["## Bridge: tuning seed 1 again with the confirmation's code", "",
@@ -383,9 +414,9 @@ def report(rows_path, folder):
              f"({', '.join(sorted({f'{p} {sum(k[0] == p for k in runs)}' for p, *_ in runs}))}).", ""]
     summary = {"start": start}
     if latest_phase(runs) == "confirm":
-        part, more = confirmation_section(rows, runs, start)
-        lines += part + [""]
-        summary.update(more)
+        for part, more in (confirmation_section(rows, runs, start), per_step_section(rows, runs)):
+            lines += part + [""]
+            summary.update(more)
     else:
         lines += ["No confirmation run has finished: the tuning phase alone, a first look (not the verdict).",
                   ""]

@@ -152,3 +152,17 @@ def test_a_run_that_stopped_at_the_smaller_budget_is_read_at_that_budget_only():
     runs = {("bridge", "μ=2", 1.25e-5, 1): [row]}
     assert rep.by_seed(runs, "bridge", "μ=2", 1.25e-5, 32) == {1: 0.31}
     assert rep.by_seed(runs, "bridge", "μ=2", 1.25e-5, 128) == {}
+
+
+def test_per_step_reads_mu_2_after_half_the_completions_of_mu_1(monkeypatch):
+    from experiments import addition_report as rep
+    every_rate = {(arm, b): 1e-5 for arm in ad.ARMS for b in ad.BUDGETS}
+    monkeypatch.setattr(ad, "chosen_rates", lambda rows: every_rate)
+    runs = {}
+    for seed, (a, b) in zip((101, 102, 103), ((0.30, 0.28), (0.32, 0.29), (0.31, 0.29))):
+        runs["confirm", "μ=1", 1e-5, seed] = [{"completions": 32 * ad.STEP_SIZE, "accuracy": a}]
+        runs["confirm", "μ=2", 1e-5, seed] = [{"completions": 16 * ad.STEP_SIZE, "accuracy": b}]
+    _, summary = rep.per_step_section([], runs)
+    entry = summary["per_step"]["μ=2 @ step 32"]
+    assert entry["completions"] == 16 * ad.STEP_SIZE
+    assert entry["vs μ=1"]["mean"] == pytest.approx(-0.0233, abs=1e-4)
