@@ -575,7 +575,7 @@ def estimated(preset_argv, **changes):  # the printed estimate of the pr2899 pre
     return f"as given {peak / 2**30:.1f} GiB"
 
 
-# Free memory of an 8, 12 and 16 GB card once CUDA's context has its share; README.md says what each gets
+# Free memory of an 8, 12 and 16 GB card once CUDA's context has its share (the README gives a 12 GB card's)
 @pytest.mark.parametrize("free_gib, bf16, running, checkpointing, lora", [
     (7.5, True, "LoRA (rank 16) on bfloat16 weights", False, 16),
     (11.5, True, "LoRA (rank 16) on bfloat16 weights", False, 16),  # checkpointing is within the margin

@@ -283,10 +283,11 @@ def predicted(g, mu, S, r):
 
 
 def seconds_section(rows, runs):
-    """Median training seconds to spend each budget, measured here, and the cost model's predictions."""
+    """Median training seconds to spend each budget, as measured, and the cost model's predictions."""
     phase, chosen = latest_phase(runs), ad.chosen_rates(rows)
     lines = [f"## Per second ({phase} rows)", "",
-             "Median training seconds to spend each budget on one core of this shared 2-core machine, "
+             "Median training seconds to spend each budget on one core of a 2-core AMD EPYC shared with "
+             "other work, torch 2.13.0 for CPU, "
              "measured as the process's CPU time (which other work on the core does not lengthen; rows "
              "without it: wall time), without scoring and diagnostics; then the cost model's time relative "
              "to μ = 1 "
@@ -320,7 +321,7 @@ def seconds_section(rows, runs):
                      + " | ".join(cells) + " |")
     shares = measured_shares(runs, phase)
     if shares:
-        lines += ["", "Measured here, from the trainer's seconds per phase (the sum over the phase's rows): "
+        lines += ["", "Measured there, from the trainer's seconds per phase (the sum over the phase's rows): "
                   f"generation's share of a μ = 1 step g = {shares['g']:.2f}; the π_old pass against μ = 1's "
                   f"update (forward, backward and optimizer) = {shares['old']:.2f}."]
         summary["measured"] = shares

@@ -1,4 +1,4 @@
-"""The statistics behind docs/update-clock/table.md and the README's verdict, on hand-made curves with
+"""The statistics behind docs/update-clock/table.md and its verdict, on hand-made curves with
 known answers: uneven points, ties, noise, a run that never ends, a target that is never reached."""
 import numpy as np
 import pytest
