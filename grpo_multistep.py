@@ -16,9 +16,8 @@ plain policy gradient (section 4 says why). A generation batch may also hold S o
 completions (TRL's steps_per_generation): each of its S mini-batches is used μ times, μ·S steps in all.
 
 Part I is the algorithm, in the order of Algorithm 1. Part II is the engineering it calls: the config, a
-faster log-prob pass, torchrun, metrics, checkpoints and input checks. Left out on purpose: vLLM and
-model.generate (a plain sampling loop draws from exactly the distribution the log-probs describe), DeepSpeed
-and FSDP (an all-reduce serves models that fit one GPU), warmup, and Algorithm 1's resets of π_ref to π_θ.
+faster log-prob pass, torchrun, metrics, checkpoints and input checks. Left out on purpose: vLLM (a plain loop
+samples what the log-probs describe), DeepSpeed and FSDP, warmup, and Algorithm 1's resets of π_ref to π_θ.
 """
 import copy, functools, importlib.util, json, math, os, random, shutil, signal, sys, threading, time, warnings
 from collections import defaultdict
@@ -61,13 +60,11 @@ def sample_token(logits, temperature):
     return torch.searchsorted(cdf, u, right=True).squeeze(1).clamp(max=cdf.size(1) - 1)  # (n,)
 
 @torch.no_grad()
-def generate_completions(model, tokenizer, prompt_ids, prompt_mask, args, eos_token_ids=None):
+def generate_completions(model, tokenizer, prompt_ids, prompt_mask, args, eos_token_ids):
     """G completions per prompt, token by token with the KV cache, from softmax(logits / T) alone (no top-k
     or top-p: section 3's log-probs describe exactly what sampled), each ending at its first EOS. Returns
     the prompts repeated G times (B·G, P), their mask, the completions (B·G, C) and completion_mask."""
     G = args.num_generations
-    if eos_token_ids is None:
-        eos_token_ids = [tokenizer.eos_token_id]
     eos = torch.as_tensor(eos_token_ids, device=prompt_ids.device)
     positions = position_ids(prompt_mask)                                                  # (B, P)
     out = model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=positions, use_cache=True,
@@ -106,6 +103,8 @@ def group_advantages(rewards, num_generations, scale_rewards="group"):
     scale_rewards='none' (Dr. GRPO) leaves out the division. A prompt's G completions are adjacent rows."""
     grouped = rewards.view(-1, num_generations)                                            # (B, G)
     advantages = grouped - grouped.mean(1, keepdim=True)
+    if scale_rewards not in ("group", "none"):  # A misspelt name would silently mean no scaling.
+        raise ValueError(f"scale_rewards={scale_rewards!r} must be 'group' or 'none'")
     if scale_rewards == "group":
         advantages = advantages / (grouped.std(1, keepdim=True) + 1e-4)
     # A group of equal rewards carries no signal: exactly 0, which a float mean of equal numbers can miss.
@@ -181,8 +180,10 @@ def grpo_loss(logps, old_logps, ref_logps, advantages, mask, args, num_seqs, num
         loss = (per_token_loss * mask).sum() / mask.sum().clamp(min=1) * len(mask) / num_seqs
     elif loss_type == "dapo":  # DAPO's: the step's token sum over its tokens (S > 1: their mean per step).
         loss = (per_token_loss * mask).sum() / num_tokens
-    else:  # Dr. GRPO's: a constant divisor, so that no completion's length changes its tokens' weight.
+    elif loss_type == "dr_grpo":  # Dr. GRPO's: a constant divisor, so no completion's length changes weight.
         loss = (per_token_loss * mask).sum() / (num_seqs * getattr(args, "max_completion_length", 256))
+    else:  # A misspelt name would otherwise fall silently into one of the branches above.
+        raise ValueError(f"loss_type={loss_type!r} must be 'grpo', 'bnpo', 'dapo' or 'dr_grpo'")
     with torch.no_grad():  # The clipped tokens: those whose gradient the clip removed.
         stats = {"clip_low": ((coef_1 < 1 - epsilon_low) & (A < 0) & (mask > 0)).sum(),
                  "clip_high": ((coef_1 > 1 + epsilon_high) & (A > 0) & (mask > 0)).sum()}
@@ -269,14 +270,13 @@ class GRPOTrainer:
             prompt_ids, prompt_mask, completion_ids, mask = generate_completions(
                 self.model, self.tokenizer, prompt_ids.to(self.device), prompt_mask.to(self.device),
                 self.args, self.eos_token_ids)
-        # The reward functions see text: each prompt, repeated G times, beside its completions.
         lengths = mask.sum(1)                                                              # (N,)
         ids = [row[:n] for row, n in zip(completion_ids.tolist(), lengths.tolist())]       # to the 1st EOS
         texts = self.tokenizer.batch_decode(ids, skip_special_tokens=True)
         completions = texts
         if not isinstance(prompts[0], str):  # A conversation's completion is an assistant message.
             completions = [[{"role": "assistant", "content": text}] for text in texts]
-        prompts = [p for p in prompts for _ in range(G)]
+        prompts = [p for p in prompts for _ in range(G)]  # Each prompt beside each of its completions.
         columns = {name: [v for v in values for _ in range(G)] for name, values in columns.items()}
         rewards_per_func = on_every_process(self, score_completions, self.reward_funcs, prompts, completions,
                                             ids, columns)                                  # (N, F)

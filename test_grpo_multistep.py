@@ -306,6 +306,17 @@ def test_the_loss_copied_alone_needs_only_epsilon_and_beta_and_reads_the_rest_wi
     assert (results[0][2].item(), results[0][3].item()) == (1, 1)
 
 
+def test_the_loss_and_the_advantages_copied_alone_name_a_misspelt_choice():
+    """Without GRPOConfig's checks, a name that is not one of the choices would fall into some branch and
+    give a silently different loss or advantage ("batch" is a TRL scale_rewards that is not here)."""
+    own = types.SimpleNamespace(epsilon=0.2, beta=0.0, loss_type="dr-grpo")
+    logps = torch.zeros(2, 3)
+    with pytest.raises(ValueError, match="loss_type='dr-grpo'"):
+        grpo_loss(logps, logps, None, torch.ones(2), torch.ones(2, 3), own, 2, 6)
+    with pytest.raises(ValueError, match="scale_rewards='batch'"):
+        group_advantages(torch.tensor([1.0, 2.0, 3.0, 4.0]), 2, "batch")
+
+
 def test_kl_is_zero_with_zero_gradient_while_policy_equals_reference():
     logps = torch.randn(3, 5).requires_grad_()
     loss, stats = loss_on(logps, logps.detach(), torch.zeros(3), ref_logps=logps.detach().clone(), beta=0.5)
@@ -469,7 +480,7 @@ def test_checking_for_the_end_every_few_tokens_samples_the_same_tokens(monkeypat
         monkeypatch.setitem(gm.DONE_CHECK, "cpu", every)
         torch.manual_seed(0)
         steps.clear()
-        runs.append(gm.generate_completions(model, tokenizer, ids, mask, args)[2:])
+        runs.append(gm.generate_completions(model, tokenizer, ids, mask, args, [tokenizer.eos_token_id])[2:])
     (ids_1, mask_1), (ids_8, mask_8) = runs
     assert ids_1.size(1) < 40 and ids_8.size(1) > ids_1.size(1)      # all ended early; checked later
     assert torch.equal(ids_8[:, :ids_1.size(1)], ids_1) and torch.equal(mask_8[:, :ids_1.size(1)], mask_1)
@@ -597,8 +608,8 @@ def test_generation_shares_each_prompts_cache_and_samples_from_the_plain_forward
         lambda module, inputs, out: rows_in.append(inputs[0].shape))
     args = GRPOConfig(num_generations=3, per_device_train_batch_size=3, max_completion_length=8,
                       temperature=0.7)
-    prompt_ids, prompt_mask, completion_ids, completion_mask = gm.generate_completions(model, tokenizer, ids,
-                                                                                     mask, args)
+    prompt_ids, prompt_mask, completion_ids, completion_mask = gm.generate_completions(
+        model, tokenizer, ids, mask, args, [tokenizer.eos_token_id])
     assert torch.equal(prompt_ids, ids.repeat_interleave(3, 0))
     assert torch.equal(prompt_mask, mask.repeat_interleave(3, 0))
     assert completion_mask.sum(1).tolist() == [1, 2, 3, 4, 5, 6]
