@@ -27,6 +27,7 @@ import argparse, math, os, shutil, statistics, tempfile, time, uuid
 
 import grpo_multistep as gm
 import train_tldr
+from experiments import addition
 from experiments.addition import alive, append, locked, read
 from experiments.heldout import held_out_score
 from experiments.metric_names import clip_fraction, metric
@@ -71,22 +72,18 @@ def budget_scores(run_rows, arm):
 
 # ---- The rows ------------------------------------------------------------------------------------------
 def finished_runs(rows):
-    """{(phase, arm, lr, seed): that run's rows} for runs whose attempt reached its end (the last such)."""
-    attempts, runs = {}, {}
-    for r in rows:
-        if r.get("arm") is not None:
-            attempts.setdefault((r["phase"], r["arm"], r["lr"], r["seed"], r["attempt"]), []).append(r)
-    for (phase, arm, lr, seed, _), run in attempts.items():
-        if run[-1]["end"]:
-            runs[phase, arm, lr, seed] = run
-    return runs
+    """{(phase, arm, lr, seed): that run's rows} for runs whose attempt reached its end (the last such); the
+    untrained model's row (arm None) is no run."""
+    return addition.finished_runs([r for r in rows if r.get("arm") is not None])
 
 
 def scores(rows, phase):
     """{(arm, budget): {lr: {seed: held-out reward}}} of the phase's finished runs."""
     out = {}
     for (p, arm, lr, seed), run in finished_runs(rows).items():
-        for b, score in budget_scores(run, arm).items() if p == phase else ():
+        if p != phase:
+            continue
+        for b, score in budget_scores(run, arm).items():
             out.setdefault((arm, b), {}).setdefault(lr, {})[seed] = score
     return out
 
