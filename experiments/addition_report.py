@@ -258,6 +258,27 @@ def per_step_section(rows, runs):
     return lines, {"per_step": summary}
 
 
+def per_pass_section(rows, runs):
+    """The clip and the drift from π_old by pass, on the confirmation seeds, each arm at its rate for the
+    largest budget (the clip-off arm at μ = 4's)."""
+    chosen = ad.chosen_rates(rows)
+    lines = ["## Per pass (confirmation seeds)", "",
+             "Each arm at its rate for 8,192 completions: the clip fraction, the k3 estimate of "
+             "KL(π_old ‖ π_θ) and the share of tokens with ρ outside [0.8, 1.2], by j = the updates made "
+             "since the completions were sampled (j = 0: ρ = 1), means over every step of the runs.", "",
+             "| arm | rate | clip by j (%) | KL k3 by j (×1e-3) | outside by j (%) |",
+             "|---|---|---|---|---|"]
+    summary = {}
+    for arm in ad.ARMS:
+        lr = chosen[arm, max(ad.BUDGETS)]
+        d = per_pass(runs, "confirm", arm, lr)
+        summary[arm] = {"rate": lr, **d}
+        lines.append(f"| {arm} | {lr:g} | " + ", ".join(pct(x) for x in d["clip"]) + " | "
+                     + ", ".join(f"{1e3 * x:.2f}" for x in d["kl"]) + " | "
+                     + ", ".join(pct(x) for x in d["outside"]) + " |")
+    return lines, {"per_pass": summary}
+
+
 def bridge_section(rows, runs):
     """Seed 1 at the chosen rates, tuning's code against the confirmation's."""
     lines = ["## Bridge: tuning seed 1 again with the confirmation's code", "",
@@ -415,7 +436,8 @@ def report(rows_path, folder):
              f"({', '.join(sorted({f'{p} {sum(k[0] == p for k in runs)}' for p, *_ in runs}))}).", ""]
     summary = {"start": start}
     if latest_phase(runs) == "confirm":
-        for part, more in (confirmation_section(rows, runs, start), per_step_section(rows, runs)):
+        for part, more in (confirmation_section(rows, runs, start), per_step_section(rows, runs),
+                           per_pass_section(rows, runs)):
             lines += part + [""]
             summary.update(more)
     else:

@@ -166,3 +166,21 @@ def test_per_step_reads_mu_2_after_half_the_completions_of_mu_1(monkeypatch):
     entry = summary["per_step"]["μ=2 @ step 32"]
     assert entry["completions"] == 16 * ad.STEP_SIZE
     assert entry["vs μ=1"]["mean"] == pytest.approx(-0.0233, abs=1e-4)
+
+
+def test_per_pass_averages_each_pass_over_every_step_of_the_confirmation_runs(monkeypatch):
+    from experiments import addition_report as rep
+    every_rate = {(arm, b): 1e-5 for arm in ad.ARMS for b in ad.BUDGETS}
+    monkeypatch.setattr(ad, "chosen_rates", lambda rows: every_rate)
+
+    def row(arm, x):  # x at every pass after the first, which is on-policy
+        passes = ad.cycle(arm)[1]
+        return {field: [0.0] + [x] * (passes - 1) for field in ("clip", "kl", "outside")}
+    runs = {}
+    for arm in ad.ARMS:
+        runs["confirm", arm, 1e-5, 101] = [row(arm, 0.1), row(arm, 0.2)]
+        runs["confirm", arm, 1e-5, 102] = [row(arm, 0.6)]
+        runs["tune", arm, 1e-5, 1] = [row(arm, 0.9)]  # another phase: not read
+    _, summary = rep.per_pass_section([], runs)
+    assert summary["per_pass"]["μ=2"]["clip"] == pytest.approx([0.0, 0.3])
+    assert summary["per_pass"]["μ=1"]["kl"] == [0.0]
