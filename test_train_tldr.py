@@ -151,9 +151,8 @@ def test_resume_without_an_earlier_run_says_so_and_exits_non_zero(tiny, tmp_path
 
 
 KILLED_IN_THE_FINAL_SAVE = """
-import os, sys, time, torch
-sys.path[:0] = [{here!r}]
-import train_tldr
+import time, torch
+import train_tldr  # found through the child's PYTHONPATH, the repository's root
 save = torch.save
 def killed(obj, path, *args, **kwargs):  # μ = 1's last checkpoint: its model is written, its state not yet
     if isinstance(obj, dict) and obj.get("step") == 3 and obj["config"]["num_iterations"] == 1:
@@ -171,8 +170,7 @@ def test_a_sweep_killed_in_a_runs_final_checkpoint_resumes_it_from_its_newest_co
     μ = 2."""
     sweep = ["--sweep", "1", "2", "--max_steps", "3", "--save_steps", "1"]
     flag, argv = tmp_path / "saving", args(tiny, tmp_path / "sweep", *sweep)
-    script = KILLED_IN_THE_FINAL_SAVE.format(here=os.path.dirname(os.path.abspath(__file__)), flag=str(flag),
-                                             argv=argv)
+    script = KILLED_IN_THE_FINAL_SAVE.format(flag=str(flag), argv=argv)
     with child_at(flag, script):  # SIGKILLed in the final save
         pass
     mu1 = tmp_path / "sweep" / "mu=1"

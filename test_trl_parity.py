@@ -144,8 +144,10 @@ def step_errors(ours, theirs):
             assert abs(a["clip_high"] - b["clip_high"]) <= 1, (a, b)
     assert ours["grads"].keys() == theirs["grads"].keys()
     for name, g in ours["grads"].items():
-        if (e := tensor_error(g, theirs["grads"][name])) > errors["gradient"]:
-            errors["gradient"], where = e, f"the largest gradient error is in {name}"
+        e = tensor_error(g, theirs["grads"][name])
+        if e > errors["gradient"]:
+            errors["gradient"] = e
+            where = f"the largest gradient error is in {name}"
     return errors, where
 
 

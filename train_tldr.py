@@ -84,7 +84,8 @@ def parse_args(argv, parser=None, preset=None, checks=lambda opts: []):
     """(GRPOConfig, the other flags); preset: the default one; checks(opts): more (flag, ok, rule)."""
     parser = parser or make_parser()
     first = parser.parse_known_args(argv)[0]  # the preset alone, whose values become the defaults
-    preset = first.preset or preset or ("pr2899" if torch.cuda.is_available() else "cpu")
+    on_this_machine = "pr2899" if torch.cuda.is_available() else "cpu"  # where neither names a preset
+    preset = first.preset or preset or on_this_machine
     parser.set_defaults(**PRESETS[preset], preset=preset)
     parser.add_argument("-h", "--help", action="help", help="show this help (the defaults: the preset's)")
     namespace, fields = vars(parser.parse_args(argv)), typing.get_type_hints(GRPOConfig)
@@ -174,7 +175,9 @@ def load_prompts(name):
             fail(f"dataset {name!r}: its files have different columns: " + "; ".join(
                 f"{os.path.basename(f)}: {', '.join(c)}" for f, c in columns.items() if c is not None))
     try:
-        reader = ("parquet" if files[0].lower().endswith(".parquet") else "json") if files else name
+        reader = name  # a hub dataset
+        if files:
+            reader = "parquet" if files[0].lower().endswith(".parquet") else "json"
         dataset = load_dataset(reader, data_files=files or None, split="train")
     except Exception as e:  # the readers raise many kinds; for a JSON line that is not JSON, naming no file
         fail(f"could not load dataset {name!r}: {bad_json_line(files) or f'{type(e).__name__}: {e}'}")
