@@ -1,0 +1,493 @@
+"""What long runs need, on top of grpo_multistep.py, which stays the whole algorithm and a trainer that
+works alone. Import from here instead of there and nothing else changes:
+
+    from grpo_long_runs import GRPOConfig, GRPOTrainer     # not: from grpo_multistep import ...
+
+This module adds, each by overriding a method of grpo_multistep.GRPOTrainer (no hook of its own):
+- a failure (an exception, Ctrl-C, SIGTERM at preemption) keeps the finished steps: a checkpoint of the last
+  finished step is written at once, and only a weight update or a checkpoint write holds a signal back;
+- torchrun: N processes make the same updates as one;
+- a faster log-prob pass (the LM head in chunks, a prompt's pass shared by its G completions);
+- the config's types checked, report_to's trackers, model_init_kwargs, gradient_checkpointing,
+  log_completions, save_total_limit, and a used output_dir refused unless overwrite_output_dir or a resume;
+- the seconds of each phase, logged as time_<phase>.
+"""
+import contextlib, dataclasses, importlib, importlib.util, json, math, numbers, os, shutil, signal, threading
+import time, typing
+from collections import defaultdict
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from transformers import AutoModelForCausalLM, PreTrainedModel
+
+import grpo_multistep as core
+from grpo_multistep import arg, require
+
+TRACKERS = ("tensorboard", "wandb", "trackio")
+
+
+@dataclasses.dataclass
+class GRPOConfig(core.GRPOConfig):
+    overwrite_output_dir: bool = arg(False, "Start a fresh run in an output_dir that holds a run's files.")
+    report_to: list[str] | str | None = arg("none", "Trackers: 'tensorboard', 'wandb', 'trackio', a list, "
+                                                     "'all' or 'none'.")
+    model_init_kwargs: dict | str | None = arg(None, "from_pretrained's keyword arguments (JSON too).")
+    gradient_checkpointing: bool = arg(False, "Recompute activations in backward: less memory, more time.")
+    log_completions: bool = arg(False, "Print a few prompts, completions and rewards at each log.")
+    save_total_limit: int | None = arg(None, "Keep at most this many checkpoints (None: all).")
+
+    def __post_init__(self):
+        check_types(self)
+        super().__post_init__()
+        check_report_to(self)
+
+
+def check_types(config):
+    """Each field's value must fit its annotation: "false" is a true string, 1.5 steps no number of steps.
+    A Path becomes a string and a numpy number a Python one, so that trainer_state.json can hold them."""
+    hints = typing.get_type_hints(type(config))
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        kinds = [typing.get_origin(k) or k for k in (typing.get_args(hints[f.name]) or [hints[f.name]])]
+        if isinstance(value, os.PathLike):
+            value = os.fspath(value)
+        if isinstance(value, numbers.Integral) and not isinstance(value, bool) and int in kinds:
+            value = int(value)
+        is_real = isinstance(value, numbers.Real) and not isinstance(value, bool)
+        if is_real and float in kinds and int not in kinds:
+            value = float(value)
+        if f.name == "report_to" and value is None:  # As in transformers: None means no tracker.
+            value = "none"
+        fits = isinstance(value, tuple(kinds)) and (bool in kinds or not isinstance(value, bool))
+        require(fits, f"GRPOConfig.{f.name}={value!r} must be of type {hints[f.name]}", TypeError)
+        finite = not isinstance(value, float) or math.isfinite(value)
+        require(finite, f"GRPOConfig.{f.name}={value!r} must be finite")
+        setattr(config, f.name, value)
+    require(config.seed < 2**63, f"GRPOConfig.seed={config.seed} must be < 2**63")
+    require(config.save_total_limit is None or config.save_total_limit >= 1,
+            f"GRPOConfig.save_total_limit={config.save_total_limit} must be >= 1")
+
+
+def check_report_to(config):  # TRL's: a name, a list of names, "all" or "none".
+    names = config.report_to
+    if isinstance(names, str):
+        names = [names]
+    installed = [name for name in TRACKERS if importlib.util.find_spec(name) is not None]
+    if names == ["all"]:
+        names = installed
+    if names == ["none"]:
+        names = []
+    unknown = [name for name in names if name not in TRACKERS]
+    require(not unknown, f"GRPOConfig.report_to names {unknown}: each must be one of {TRACKERS}, or give "
+            "'all' or 'none'")
+    missing = [name for name in names if name not in installed]
+    require(not missing, f"GRPOConfig.report_to names {missing}, which are not installed: pip install "
+            + " ".join(missing), ImportError)
+    config.report_to = names
+
+
+class GRPOTrainer(core.GRPOTrainer):
+    """grpo_multistep.GRPOTrainer with what long runs need; the same arguments."""
+
+    def __init__(self, model, reward_funcs, args=None, train_dataset=None, eval_dataset=None,
+                 processing_class=None, peft_config=None):
+        check_versions()
+        args = args if args is not None else GRPOConfig()
+        require(isinstance(args, GRPOConfig), "args must be grpo_long_runs.GRPOConfig (it has the fields "
+                f"this trainer reads), got {type(args).__module__}.{type(args).__name__}", TypeError)
+        funcs = reward_funcs if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
+        require(len(funcs) > 0 and all(callable(f) for f in funcs), "reward_funcs must be a function or a "
+                f"non-empty list of functions, got {reward_funcs!r}", TypeError)
+        rank, world_size, device = init_distributed()
+        if isinstance(model, (str, os.PathLike)):
+            model = load_model(model, args)
+        known = isinstance(model, PreTrainedModel) or core.is_peft(model)
+        require(known, "model must be a hub id, a folder, a PreTrainedModel or a peft.PeftModel, got "
+                f"{type(model).__name__}", TypeError)
+        super().__init__(model, reward_funcs, args, train_dataset, eval_dataset, processing_class,
+                         peft_config)
+        self.rank, self.world_size, self.device = rank, world_size, device
+        check_lm_head(self.model, self.tokenizer)
+        check_rewards(self)
+        self.seconds = defaultdict(float)  # Per phase, since the last step's end.
+        self.holding = False  # True from a weight update to the end of its step, and in a checkpoint write.
+        self.updating = False  # True while AdamW changes the weights: a failure then has no step to save.
+        self.optimizer.register_step_pre_hook(self.start_update)
+        self.signal = None
+        self.trackers = []
+
+    def train(self, resume_from_checkpoint=None):
+        """Checks, output_dir and trackers, then grpo_multistep's train(), keeping the finished steps."""
+        args = self.args
+        check_types(args)  # Fields may have changed since the trainer was made.
+        check_report_to(args)
+        check_rewards(self)
+        require(args.eval_strategy == "no" or self.eval_dataset is not None, "eval_strategy='steps' needs an "
+                "eval_dataset")
+        n = len(self.eval_dataset or [])  # Else the processes would run different numbers of collectives.
+        require(args.eval_strategy == "no" or n % self.world_size == 0, f"eval_dataset's {n} prompts do not "
+                f"split evenly over {self.world_size} processes")
+        require(args.beta == 0 or self.ref_model is not None, "beta was 0 when the trainer was made, so it "
+                "has no reference model: make a new trainer")
+        self.model.activation_checkpointing_disable()  # As the config says now.
+        if args.gradient_checkpointing:
+            self.model.activation_checkpointing_enable({"use_reentrant": False})
+        if resume_from_checkpoint is True:  # The newest complete checkpoint in output_dir.
+            found = core.list_checkpoints(args.output_dir)
+            require(found, f"{args.output_dir!r} holds no checkpoint to resume: start a fresh run")
+            resume_from_checkpoint = found[-1]
+        if self.rank == 0:
+            prepare_output_dir(args, resume_from_checkpoint)
+        if self.world_size > 1:
+            dist.barrier()  # The other processes write into output_dir only once it is ready.
+        self.signal = None
+        with keep_finished_steps(self):
+            if self.rank == 0:
+                self.trackers = [Tracker(name, args) for name in args.report_to]
+            super().train(resume_from_checkpoint)
+        return self
+
+    # ---- The phases' seconds: what each override adds to self.seconds -----------------------------------
+    def generate_and_score(self, k):
+        start = lap(self)
+        logps_before = self.seconds["logps"]
+        result = super().generate_and_score(k)
+        self.seconds["generate"] += lap(self) - start - (self.seconds["logps"] - logps_before)
+        return result
+
+    def cached_logps(self, model, batch):
+        start = lap(self)
+        result = super().cached_logps(model, batch)
+        self.seconds["logps"] += lap(self) - start
+        return result
+
+    def logps(self, model, mb):  # The faster pass below, timed as "forward" where it trains.
+        start = lap(self)
+        with core.autocast(self):
+            result = per_token_logps(model, mb["prompt_ids"], mb["prompt_mask"], mb["completion_ids"],
+                                     mb["completion_mask"], self.args.temperature)
+        if torch.is_grad_enabled():
+            self.seconds["forward"] += lap(self) - start
+        return result
+
+    def optimizer_step(self, batch):
+        start = lap(self)
+        forward_before = self.seconds["forward"]
+        metrics = super().optimizer_step(batch)
+        step = lap(self) - start - (self.seconds["forward"] - forward_before)
+        self.seconds["backward"] += step - self.seconds["optimizer"]
+        return metrics
+
+    def update(self):  # Under torchrun, the gradients are summed first; a signal waits for the step's end.
+        start = lap(self)
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        if self.world_size > 1 and grads:  # One flat buffer, one collective.
+            flat = self.all_reduce(torch.cat([g.flatten() for g in grads]))
+            torch.nn.utils.vector_to_parameters(flat, grads)
+        grad_norm = super().update()
+        self.updating = False
+        self.seconds["optimizer"] = lap(self) - start
+        return grad_norm
+
+    def start_update(self, *args):  # AdamW's pre-hook: a signal from here waits for the step's end.
+        self.updating = True
+        self.holding = True
+
+    def sample_and_score(self, dataset, indices):  # An error in one process is raised in all of them.
+        error = None
+        result = None
+        try:
+            result = super().sample_and_score(dataset, indices)
+        except Exception as e:
+            error = e
+        failed = self.all_reduce(torch.tensor(float(error is not None), device=self.device))
+        if error is not None:
+            raise error
+        require(failed == 0, "a reward function or the generation failed in another process (see its log)",
+                RuntimeError)
+        raise_held_signal(self)  # A reward that swallowed the signal (a bare except) does not score.
+        return result
+
+    def all_reduce(self, x):
+        if self.world_size > 1:
+            dist.all_reduce(x)
+        return x
+
+    def evaluate(self):
+        start = time.perf_counter()
+        metrics = super().evaluate()
+        metrics["time_eval"] = time.perf_counter() - start
+        return metrics
+
+    def end_of_step(self, metrics):  # Held since the update: the step's row and checkpoint come first.
+        for phase in PHASES:
+            metrics[f"time_{phase}"] = self.seconds.pop(phase, 0.0)
+        super().end_of_step(metrics)
+        self.holding = False
+        raise_held_signal(self)
+
+    def log(self, row):
+        super().log(row)
+        if self.rank == 0 and self.args.log_completions:
+            for prompt, completion, reward in self.samples[:4]:
+                if not isinstance(prompt, str):  # A conversation: its last message.
+                    prompt = prompt[-1]["content"]
+                print(f"  [reward {reward:+.3f}] {prompt[-60:]!r} -> {completion[:100]!r}")
+        for tracker in self.trackers:
+            tracker.log(row)
+
+    def save_checkpoint(self):  # Held against signals; under torchrun rank 0 renames once all wrote.
+        held = self.holding
+        self.holding = True
+        tmp = os.path.join(self.args.output_dir, f"checkpoint-{self.step}.tmp")
+        if self.rank == 0:
+            wait_for_files([os.path.join(tmp, f"rank_{r}.pt") for r in range(1, self.world_size)])
+        super().save_checkpoint()
+        limit = self.args.save_total_limit
+        if self.rank == 0 and limit is not None:
+            for old in core.list_checkpoints(self.args.output_dir)[:-limit]:
+                shutil.rmtree(old)
+        self.holding = held
+        raise_held_signal(self)
+
+
+PHASES = ("generate", "logps", "forward", "backward", "optimizer")
+
+
+def lap(trainer):  # Now, with a GPU's queued work done: time measures the work, not its launch.
+    if trainer.device.type == "cuda":
+        torch.cuda.synchronize(trainer.device)
+    return time.perf_counter()
+
+
+# ---- A failure never loses finished steps --------------------------------------------------------------
+# On any exception (Ctrl-C included) and at once on SIGTERM (sent at preemption; torchrun passes it to every
+# process), a checkpoint of the last finished step is written, then the exception goes on. Only the main
+# thread can catch signals: elsewhere SIGTERM ends the process at once.
+@contextlib.contextmanager
+def keep_finished_steps(trainer):
+    def on_signal(signum, frame):
+        trainer.signal = signum
+        if not trainer.holding:  # Else what is being written ends first.
+            raise exception_for(signum)
+    previous = {}
+    if threading.current_thread() is threading.main_thread():
+        for s in (signal.SIGINT, signal.SIGTERM):
+            previous[s] = signal.signal(s, on_signal)
+    try:
+        yield
+    except BaseException:
+        finished = trainer.step > 0 and not trainer.updating  # (A failed update is no finished step.)
+        if finished and trainer.args.save_strategy != "no":
+            trainer.save_checkpoint()
+        raise
+    finally:
+        trainer.holding = False
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        for tracker in trainer.trackers:
+            tracker.close()
+        trainer.trackers = []
+
+
+def raise_held_signal(trainer):
+    if trainer.signal is not None and not trainer.holding:
+        raise exception_for(trainer.signal)
+
+
+def exception_for(signum):  # Ctrl-C is a KeyboardInterrupt; SIGTERM exits with 128 + 15, as shells say.
+    if signum == signal.SIGINT:
+        return KeyboardInterrupt()
+    return SystemExit(128 + signum)
+
+
+def wait_for_files(paths, seconds=60):  # The other processes' files, without a collective (none may run).
+    deadline = time.monotonic() + seconds
+    while not all(os.path.exists(p) for p in paths) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    missing = [p for p in paths if not os.path.exists(p)]
+    require(not missing, f"{missing} not written in {seconds} s: the checkpoint is unfinished", RuntimeError)
+
+
+# ---- torchrun: every process runs the program on its own prompts ---------------------------------------
+# Each divides its loss by the whole step's normalizers, so the sum of the processes' gradients is the step's.
+# (DDP's hooks would miss the LM head, which per_token_logps calls directly.)
+def init_distributed():
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    cuda = torch.cuda.is_available()
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ and not dist.is_initialized():
+        if cuda:
+            torch.cuda.set_device(local_rank)  # Before any collective: NCCL uses the current device.
+        dist.init_process_group("nccl" if cuda else "gloo")
+    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size(), device
+    return 0, 1, device
+
+
+# ---- output_dir: a fresh run never mixes its files with another run's ----------------------------------
+def prepare_output_dir(args, resume_from_checkpoint):
+    """A fresh run refuses an output_dir that holds files, unless overwrite_output_dir, which deletes the
+    earlier run's checkpoints, metrics, event files and final model (no other file)."""
+    out = args.output_dir
+    os.makedirs(out, exist_ok=True)
+    names = sorted(os.listdir(out))
+    require(not names or resume_from_checkpoint or args.overwrite_output_dir, f"output_dir {out!r} holds "
+            f"{', '.join(names[:5])}: choose another output_dir, resume the run there "
+            "(resume_from_checkpoint=True), or set overwrite_output_dir=True")
+    for name in names:
+        path = os.path.join(out, name)
+        number = name.removeprefix("checkpoint-").removesuffix(".tmp")
+        if name.startswith("checkpoint-") and number.isdecimal() and os.path.isdir(path):
+            if name.endswith(".tmp") or not resume_from_checkpoint:  # A resume keeps the complete ones.
+                shutil.rmtree(path)
+        elif name in RUN_FILES and not resume_from_checkpoint:
+            if os.path.isdir(path):
+                shutil.rmtree(path)
+            else:
+                os.remove(path)
+
+
+RUN_FILES = ("metrics.jsonl", "runs", "config.json", "generation_config.json", "model.safetensors",
+             "adapter_config.json", "adapter_model.safetensors", "tokenizer.json", "tokenizer_config.json",
+             "special_tokens_map.json", "chat_template.jinja")
+
+
+# ---- report_to: a tracker is imported only where it is named; it gets every row, on rank 0 -------------
+class Tracker:
+    def __init__(self, name, args):
+        self.name = name
+        if name == "tensorboard":  # Event files in output_dir/runs/<date-time>, where TRL writes them.
+            folder = os.path.join(args.output_dir, "runs", time.strftime("%Y%m%d-%H%M%S"))
+            self.run = importlib.import_module("torch.utils.tensorboard").SummaryWriter(folder)
+        else:  # wandb and trackio share an API: init(project=, config=) returns a run.
+            project = os.environ.get(f"{name.upper()}_PROJECT", "huggingface")  # As transformers does.
+            self.run = importlib.import_module(name).init(project=project, config=dataclasses.asdict(args))
+
+    def log(self, row):
+        metrics = {k: v for k, v in row.items() if k != "step"}
+        if self.name == "tensorboard":
+            for k, v in metrics.items():
+                self.run.add_scalar(k, v, row["step"])
+        else:
+            self.run.log(metrics, step=row["step"])
+
+    def close(self):
+        if self.name == "tensorboard":
+            self.run.close()
+        else:
+            self.run.finish()
+
+
+# ---- Inputs beyond grpo_multistep's own checks ---------------------------------------------------------
+def load_model(name, args):  # from_pretrained with model_init_kwargs; a folder's code runs only if asked.
+    kwargs = args.model_init_kwargs or {}
+    if isinstance(kwargs, str):  # JSON, from a command line.
+        try:
+            kwargs = json.loads(kwargs)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"GRPOConfig.model_init_kwargs is not JSON: {e}: {kwargs!r}") from None
+    kwargs = dict(kwargs)
+    if "torch_dtype" in kwargs:  # TRL's older name of the same argument.
+        kwargs["dtype"] = kwargs.pop("torch_dtype")
+    kwargs.setdefault("dtype", torch.float32)
+    trust = kwargs.setdefault("trust_remote_code", False)
+    require(isinstance(trust, bool), f"model_init_kwargs' trust_remote_code={trust!r} must be True or False "
+            "(a string such as 'false' would be true)", TypeError)
+    return AutoModelForCausalLM.from_pretrained(os.fspath(name), **kwargs)
+
+
+def check_rewards(trainer):  # Weights: finite, one per function; checked again at train().
+    weights = trainer.args.reward_weights
+    if weights is None:
+        return
+    n = len(trainer.reward_funcs)
+    require(len(weights) == n, f"GRPOConfig.reward_weights has {len(weights)} weights for {n} reward "
+            "functions")
+    require(all(math.isfinite(w) for w in weights), f"GRPOConfig.reward_weights={weights} must be finite")
+
+
+def check_lm_head(model, tokenizer):  # The faster pass computes the logits as lm_head(hidden states).
+    with torch.no_grad():
+        ids = torch.tensor([[tokenizer.eos_token_id] * 3], device=model.device)
+        head = model.get_output_embeddings()
+        logits = model(input_ids=ids).logits[:, -3:]
+        head_logits = head(model.get_decoder()(input_ids=ids).last_hidden_state)
+        same = isinstance(head, torch.nn.Linear) and torch.allclose(logits, head_logits, rtol=1e-3, atol=1e-3)
+    require(same, f"{type(model).__name__}'s logits are not lm_head(hidden states) (softcapping, scaling, an "
+            "adapter on lm_head?): the faster log-prob pass would be wrong; use grpo_multistep's trainer")
+
+
+def check_versions():  # The requirements' lower bounds: older versions fail deep inside, unnamed.
+    from packaging.version import Version
+    for module, need in ((torch, "2.4"), (importlib.import_module("transformers"), "5.24")):
+        found = module.__version__.split("+")[0]
+        require(Version(found) >= Version(need), f"GRPOTrainer needs {module.__name__} >= {need}, found "
+                f"{found}: pip install '{module.__name__}>={need}'", ImportError)
+
+
+# ---- The faster log-prob pass ---------------------------------------------------------------------------
+# grpo_multistep.per_token_logps made fast (a test holds them equal). A prompt's G completions share one
+# pass over it, and the LM head runs CHUNK tokens at a time: no (b, C, V) logits at once. It also
+# returns each token's entropy H(π(· | q, o_<t)), from the same logits, for a metric. (b, C) each.
+def per_token_logps(model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature):
+    mask = torch.cat([prompt_mask, completion_mask], 1)                                    # (b, P+C)
+    decoder = model.get_decoder()
+    P = prompt_ids.size(1)
+    positions = core.position_ids(mask)                                                         # (b, P+C)
+    if model.is_activation_checkpointing:  # Recomputed layers cannot share a prompt's cache: one pass.
+        hidden = decoder(input_ids=torch.cat([prompt_ids, completion_ids], 1), attention_mask=mask,
+                         position_ids=positions).last_hidden_state[:, P - 1:-1]            # (b, C, H)
+    else:  # B·P + B·G·C tokens, not B·G·(P + C): G completions attend to one pass over their prompt.
+        first = torch.ones(len(prompt_ids), dtype=torch.bool, device=mask.device)  # A prompt's first row.
+        first[1:] = ((prompt_ids[1:] != prompt_ids[:-1]) | (prompt_mask[1:] != prompt_mask[:-1])).any(1)
+        prompt_of = first.cumsum(0) - 1                                                    # (b,)
+        prompt = decoder(input_ids=prompt_ids[first], attention_mask=prompt_mask[first],
+                         position_ids=positions[first, :P], use_cache=True)
+        prompt.cache.batch_select_indices(prompt_of)  # Each row gets its prompt's keys and values.
+        completion = decoder(input_ids=completion_ids, attention_mask=mask, position_ids=positions[:, P:],
+                             cache=prompt.cache, use_cache=True).last_hidden_state        # (b, C, H)
+        # The prompt's last state predicts completion token 0; completion token t's state predicts t + 1.
+        hidden = torch.cat([prompt.last_hidden_state[prompt_of, -1:], completion[:, :-1]], 1)  # (b, C, H)
+    head = model.get_output_embeddings()  # logits = lm_head(hidden), as check_lm_head checks.
+    pairs = zip(hidden.flatten(0, 1).split(CHUNK), completion_ids.flatten().split(CHUNK))
+    results = [TokenLogps.apply(h, y, temperature, head.weight, head.bias) for h, y in pairs]
+    logps = torch.cat([r[0] for r in results]).view_as(completion_ids)
+    entropies = torch.cat([r[1] for r in results]).view_as(completion_ids)
+    return logps, entropies
+
+CHUNK = 256  # Tokens per LM-head chunk: 256 × 49,152 logits are 50 MB for SmolLM2.
+
+# The LM head for CHUNK tokens: log π(y) = z_y - logsumexp(z), z = (h Wᵀ + b) / T. Forward keeps only h and
+# logsumexp(z); backward computes z again, in place, into the gradient onehot(y) - softmax(z). Against
+# activation checkpointing of the head this saves 0.27 GiB and 5 % of the time (SmolLM2, the CPU demo).
+class TokenLogps(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, targets, temperature, weight, bias):                 # (n, H), (n,)
+        logits = F.linear(hidden, weight, bias).float().div_(temperature)                  # (n, V): z
+        lse = logits.logsumexp(-1)                                                         # (n,)
+        ctx.save_for_backward(hidden, targets, weight, bias, lse)
+        ctx.temperature = temperature
+        ctx.bf16 = torch.is_autocast_enabled(hidden.device.type)
+        logp = logits.gather(-1, targets[:, None]).squeeze(-1) - lse                       # (n,)
+        log_probs = logits.sub_(lse[:, None])                           # (n, V): log π(v), in z's memory
+        entropy = -log_probs.exp().mul_(log_probs).sum(-1)              # (n,): -Σ_v π(v) log π(v)
+        ctx.mark_non_differentiable(entropy)
+        return logp, entropy
+
+    @staticmethod
+    def backward(ctx, grad, _):                                          # grad (n,): d loss / d log π(y)
+        hidden, targets, weight, bias, lse = ctx.saved_tensors
+        with torch.autocast(hidden.device.type, torch.bfloat16, enabled=ctx.bf16):  # As in forward.
+            logits = F.linear(hidden, weight, bias).float()                                # (n, V)
+        grad_z = logits.div_(ctx.temperature).sub_(lse[:, None]).exp_().mul_(-grad[:, None])  # -softmax·grad
+        grad_z.scatter_add_(1, targets[:, None], grad[:, None])                            # + onehot(y)·grad
+        grad_logits = grad_z.div_(ctx.temperature).to(weight.dtype)                        # dz/dlogits = 1/T
+        grad_weight = None
+        grad_bias = None
+        if ctx.needs_input_grad[3]:
+            grad_weight = grad_logits.T @ hidden.to(weight.dtype)
+        if bias is not None and ctx.needs_input_grad[4]:
+            grad_bias = grad_logits.sum(0)
+        return (grad_logits @ weight).to(hidden.dtype), None, None, grad_weight, grad_bias

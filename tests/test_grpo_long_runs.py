@@ -1,0 +1,731 @@
+"""grpo_long_runs.py's guarantees, as executable checks: a failure keeps the finished steps, a signal never
+waits for more than a weight update or a checkpoint write, torchrun's processes make the same updates as
+one, a used output_dir is refused, trackers get every row, and the faster log-prob pass is the plain one.
+
+Everything runs offline on a tiny Llama and a word-level tokenizer made here."""
+
+import importlib
+import json
+import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+from datasets import Dataset
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+import grpo_multistep as gm
+import grpo_long_runs as lr
+from grpo_long_runs import GRPOConfig, GRPOTrainer, per_token_logps
+
+torch.use_deterministic_algorithms(True)
+torch.set_num_threads(1)  # a 32-wide model gains nothing from threads, and loses a lot to a busy machine
+PROMPTS = ["the cat", "a dog", "hello", "tl;dr:", "the park", "world", "it was", "on the mat"]
+HERE = os.path.dirname(os.path.abspath(__file__))
+CHILD_ENV = {**os.environ, "OMP_NUM_THREADS": "1",  # child processes import this file and the modules
+             "PYTHONPATH": os.pathsep.join([HERE, os.path.dirname(HERE)])}
+
+
+def make_tokenizer():
+    """Words of the prompts, then filler words up to 300 ids: a reward on ids below 150 has room to learn."""
+    words = sorted({w for p in PROMPTS for w in p.split()}) + [f"w{i}" for i in range(280)]
+    vocab = {word: i for i, word in enumerate(["<pad>", "<eos>"] + words)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", pad_token="<pad>")
+
+
+def make_model(tokenizer, seed=0):
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64,
+                                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                        eos_token_id=tokenizer.eos_token_id, bos_token_id=None,
+                                        pad_token_id=tokenizer.pad_token_id))
+
+
+def short_is_good(completion_ids, **kwargs):
+    """A toy reward a random model can learn: the share of a completion's tokens with an id below 150."""
+    return [sum(t < 150 for t in ids) / max(len(ids), 1) for ids in completion_ids]
+
+
+def plain_logits(model, prompt_ids, prompt_mask, completion_ids, completion_mask):
+    """The model's own logits over prompt + completion: one pass, no cache, no sharing."""
+    mask = torch.cat([prompt_mask, completion_mask], 1)
+    return model(input_ids=torch.cat([prompt_ids, completion_ids], 1), attention_mask=mask,
+                 position_ids=(mask.cumsum(1) - 1).clamp(min=0)).logits                 # (b, P+C, V)
+
+
+def lora(**overrides):
+    """TRL's usual LoRA: rank 4 on the attention's query and value projections."""
+    peft = pytest.importorskip("peft")
+    return peft.LoraConfig(**{"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"],
+                              "task_type": "CAUSAL_LM", **overrides})
+
+
+EVAL_PROMPTS = ["a held out prompt", "another one", "the third", "and a fourth"]
+
+
+def first_step_gradients(trainer):
+    """Run the trainer's first optimizer step and return the gradients it applied (clipping is off)."""
+    grads = []
+    trainer.optimizer.register_step_pre_hook(
+        lambda *_: grads.extend(p.grad.clone() for p in trainer.model.parameters()))
+    trainer.batch, _ = trainer.generate_and_score(0)
+    trainer.optimizer_step(trainer.batch)
+    return grads
+
+
+def make_trainer(tmp_path, reward_funcs=short_is_good, dataset=None, tokenizer=None, model=None,
+                 peft_config=None, eval_dataset=None, **overrides):
+    tokenizer = tokenizer or make_tokenizer()
+    config = dict(output_dir=str(tmp_path / "out"), per_device_train_batch_size=4,
+                  gradient_accumulation_steps=2, num_generations=4, max_prompt_length=16,
+                  max_completion_length=12, max_steps=2,
+                  learning_rate=1e-2, logging_steps=1, max_grad_norm=0.0, seed=0)
+    config.update(overrides)
+    dataset = dataset if dataset is not None else Dataset.from_dict({"prompt": PROMPTS})
+    return GRPOTrainer(model or make_model(tokenizer), reward_funcs, GRPOConfig(**config), dataset,
+                       eval_dataset=eval_dataset, processing_class=tokenizer, peft_config=peft_config)
+
+
+def run_to_end(tmp_path, name, resume=None, stop_at=None, model=None, peft_config=None, eval_dataset=None,
+               **overrides):
+    """Train 6 steps with μ = 3 and a checkpoint every 2 steps (so steps 2 and 4 fall inside a generation
+    batch); return the final weights and the logged metrics without the timings. `stop_at` stands for
+    Ctrl-C after that step's row. model: a function of the tokenizer (default: make_model)."""
+    logged = []
+
+    class Recorder(GRPOTrainer):
+        def log(self, metrics):
+            super().log(metrics)  # metrics.jsonl
+            logged.append({k: v for k, v in metrics.items() if not k.startswith("time") and k != "elapsed"})
+            if metrics["step"] == stop_at:
+                raise KeyboardInterrupt
+
+    tokenizer = make_tokenizer()
+    config = dict(output_dir=str(tmp_path / name), per_device_train_batch_size=4,
+                  gradient_accumulation_steps=2, num_generations=4, max_completion_length=12,
+                  max_steps=6, num_iterations=3, save_steps=2,
+                  learning_rate=1e-2, logging_steps=1, beta=0.1, seed=0)
+    config.update(overrides)
+    trainer = Recorder((model or make_model)(tokenizer), short_is_good, GRPOConfig(**config),
+                       Dataset.from_dict({"prompt": PROMPTS}), eval_dataset=eval_dataset,
+                       processing_class=tokenizer, peft_config=peft_config)
+    trainer.train(resume_from_checkpoint=resume)
+    return [p.detach().clone() for p in trainer.model.parameters()], logged
+
+
+def assert_same_run(a, b):
+    (weights_a, metrics_a), (weights_b, metrics_b) = a, b
+    assert all(torch.equal(x, y) for x, y in zip(weights_a, weights_b))
+    assert metrics_a[-len(metrics_b):] == metrics_b
+
+
+def metrics_of(out):
+    """metrics.jsonl without the timings: what a resumed run must log exactly like an uninterrupted one."""
+    rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
+    return [{k: v for k, v in r.items() if not k.startswith("time") and k != "elapsed"} for r in rows]
+
+
+def checkpoints(out):
+    return [os.path.basename(c) for c in gm.list_checkpoints(str(out))]
+
+
+PROMPTS = ["the cat", "a dog", "hello", "tl;dr:", "the park", "world", "it was", "on the mat"]
+
+
+@pytest.mark.parametrize("temperature,bias", [(1.0, False), (0.7, False), (0.7, True)])
+def test_lean_chunked_log_probs_equal_log_softmax_of_tempered_logits(temperature, bias, monkeypatch):
+    """The lean path (hidden states -> LM head in chunks of 5 tokens -> logit - logsumexp, and a
+    hand-written backward, onehot(y) - softmax(z)) gives the log-probs and the gradients of the plain
+    log_softmax of the model's tempered logits, for any weight of each token in the loss."""
+    monkeypatch.setattr(lr, "CHUNK", 5)
+    tokenizer = make_tokenizer()
+    model = make_model(tokenizer)
+    if bias:  # an LM head with a bias (GPT-2-style heads have none, but the backward must not drop it)
+        model.lm_head.bias = torch.nn.Parameter(torch.randn(len(tokenizer)))
+    ids = torch.randint(2, len(tokenizer), (3, 10))
+    weights = torch.randn(3, 4)  # ∂loss/∂log π of each token: each row must be scaled by its own
+    lean = per_token_logps(model, ids[:, :6], torch.ones(3, 6), ids[:, 6:], torch.ones(3, 4), temperature)[0]
+    (lean * weights).sum().backward()
+    lean_grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    logits = model(input_ids=ids).logits[:, -5:-1] / temperature
+    plain = logits.log_softmax(-1).gather(-1, ids[:, -4:, None]).squeeze(-1)
+    (plain * weights).sum().backward()
+    torch.testing.assert_close(lean, plain, rtol=0, atol=1e-5)
+    for a, p in zip(lean_grads, model.parameters()):
+        torch.testing.assert_close(a, p.grad, rtol=1e-4, atol=1e-6)
+
+
+def test_the_lm_head_backward_reruns_the_head_under_the_bf16_autocast_of_its_forward():
+    """bf16=True runs per_token_logps under autocast. TokenLogps's backward must compute a chunk's logits
+    again in bfloat16, as its forward did, or its softmax would not be that of the log-probs it returned
+    (large logits make the bf16 rounding, up to 0.25 here, move the softmax by several percent)."""
+    torch.manual_seed(0)
+    hidden, weight = torch.randn(6, 16, requires_grad=True), (10 * torch.randn(50, 16)).requires_grad_()
+    targets, weights = torch.randint(50, (6,)), torch.randn(6)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        lean = lr.TokenLogps.apply(hidden, targets, 0.7, weight, None)[0]
+        logits = torch.nn.functional.linear(hidden, weight).float() / 0.7  # bf16 products, as bf16=True
+        plain = logits.log_softmax(-1).gather(-1, targets[:, None]).squeeze(-1)
+    torch.testing.assert_close(lean, plain, rtol=0, atol=1e-5)
+    lean_grads = torch.autograd.grad((lean * weights).sum(), (hidden, weight))
+    plain_grads = torch.autograd.grad((plain * weights).sum(), (hidden, weight))
+    for a, b in zip(lean_grads, plain_grads):  # autograd's backward multiplies in bf16, TokenLogps in float32
+        torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2 * b.abs().max().item())
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_the_completions_of_a_prompt_share_its_forward_pass_and_get_the_plain_log_probs(checkpointing):
+    """per_token_logps runs each prompt once for its group (not with gradient checkpointing, which cannot
+    keep a KV cache), and gives the log-probs and gradients of Part I's plain definition, which are those of
+    the model's own logits."""
+    tokenizer = make_tokenizer()
+    model = make_model(tokenizer)
+    if checkpointing:
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    ids, mask = gm.tokenize_prompts(tokenizer, ["hello world", "the cat sat on the mat"], None)
+    prompt_ids, prompt_mask = ids.repeat_interleave(3, 0), mask.repeat_interleave(3, 0)       # 2 groups of 3
+    completion_ids = torch.randint(2, len(tokenizer), (6, 5))
+    completion_mask = torch.ones_like(completion_ids)
+    completion_mask[1, 3:] = completion_mask[4, 1:] = 0                                        # ended early
+    rows_in = []
+    hook = model.get_input_embeddings().register_forward_hook(
+        lambda m, inputs, out: rows_in.append(len(inputs[0])))
+    lean = (per_token_logps(model, prompt_ids, prompt_mask, completion_ids, completion_mask, 0.7)[0]
+            * completion_mask)
+    lean.sum().backward()
+    hook.remove()
+    assert rows_in == ([6] if checkpointing else [2, 6])   # shared: the 2 prompts, then the 6 completions
+    lean_grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    plain = gm.per_token_logps(model, prompt_ids, prompt_mask, completion_ids, completion_mask, 0.7)[0]
+    (plain * completion_mask).sum().backward()
+    torch.testing.assert_close(lean, plain * completion_mask, rtol=0, atol=1e-5)
+    logits = plain_logits(model, prompt_ids, prompt_mask, completion_ids,
+                          completion_mask)[:, ids.size(1) - 1:-1]
+    # the model's own
+    by_hand = (logits / 0.7).log_softmax(-1).gather(-1, completion_ids[..., None]).squeeze(-1)
+    torch.testing.assert_close(plain, by_hand, rtol=0, atol=1e-5)
+    for a, p in zip(lean_grads, model.parameters()):
+        torch.testing.assert_close(a, p.grad, rtol=1e-4, atol=1e-6)
+
+
+def test_a_model_whose_logits_are_not_the_lm_head_output_is_refused(tmp_path):
+    model = make_model(make_tokenizer())
+    forward = model.forward  # stands in for softcapping or scaling inside a model's forward
+    model.forward = lambda *a, **k: (lambda out: setattr(out, "logits", out.logits * 2) or out)(
+        forward(*a, **k))
+    with pytest.raises(ValueError, match="logits are not lm_head"):
+        make_trainer(tmp_path, model=model)
+
+
+PR2899_SCRIPT = '''
+from datasets import load_dataset
+from trl import GRPOConfig, GRPOTrainer
+
+
+dataset = load_dataset("trl-lib/tldr", split="train")
+
+# Dummy reward function: the closer the completion is to 20 characters, the higher the reward
+def reward_len(completions, **kwargs):
+    return [-abs(100 - len(completion)) for completion in completions]
+
+def main():
+    num_iterations=4
+    training_args = GRPOConfig(
+        output_dir=f"Qwen2.5-0.5B-GRPO-2899-μ={num_iterations}",
+        logging_steps=5,
+        gradient_accumulation_steps=4,
+        per_device_train_batch_size=4,
+        num_generations=8,
+        max_prompt_length=64,
+        max_completion_length=64,
+        log_completions=True,
+        max_steps=200,
+        num_iterations=num_iterations,
+    )
+    trainer = GRPOTrainer(
+        model="Qwen/Qwen2.5-0.5B",
+        reward_funcs=reward_len,
+        args=training_args,
+        train_dataset=dataset,
+    )
+    trainer.train()
+
+
+if __name__ == "__main__":
+    main()
+'''
+
+
+def test_trl_pr_2899_reproduction_script_runs_with_only_its_import_line_changed(tmp_path):
+    """TRL PR #2899's script, verbatim but for the import line and offline stand-ins for the hub: a tiny
+    local model (with its tokenizer, loaded by path) and a local JSON copy of a few tldr prompts."""
+    tokenizer = make_tokenizer()
+    make_model(tokenizer).save_pretrained(tmp_path / "tiny")
+    tokenizer.save_pretrained(tmp_path / "tiny")
+    Dataset.from_dict({"prompt": [f"POST: {p}\nTL;DR:" for p in PROMPTS]}).to_json(tmp_path / "tldr.json")
+    script = (PR2899_SCRIPT.replace("from trl import", "from grpo_long_runs import")
+              .replace('load_dataset("trl-lib/tldr", split="train")',
+                       f'load_dataset("json", data_files="{tmp_path / "tldr.json"}", split="train")')
+              .replace('"Qwen/Qwen2.5-0.5B"', f'"{tmp_path / "tiny"}"')
+              .replace("max_steps=200", "max_steps=8"))
+    (tmp_path / "pr2899.py").write_text(script)
+    env = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.abspath(gm.__file__)), "OMP_NUM_THREADS": "1"}
+    result = subprocess.run([sys.executable, "pr2899.py"], cwd=tmp_path, capture_output=True, text=True,
+                            timeout=300, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = tmp_path / "Qwen2.5-0.5B-GRPO-2899-μ=4"
+    assert (out / "model.safetensors").exists() and (out / "metrics.jsonl").read_text().count("\n") == 2
+    assert "step 5" in result.stdout and "[reward" in result.stdout  # logging_steps and log_completions
+
+
+def fixed_completions(model, tokenizer, prompt_ids, prompt_mask, args, eos_token_ids=None):
+    """Stands in for generate_completions: completions (and their lengths) that depend only on the
+    prompt, so that any split of the prompts over ranks yields the same global batch."""
+    G, C = args.num_generations, args.max_completion_length
+    prompt_ids, prompt_mask = prompt_ids.repeat_interleave(G, 0), prompt_mask.repeat_interleave(G, 0)
+    key = (prompt_ids * prompt_mask).sum(1)                                   # one number per prompt
+    j = torch.arange(len(key)) % G                                            # sample index in the group
+    completion_ids = (key[:, None] * 7 + j[:, None] * 31 + torch.arange(C) * 13) % 250 + 2
+    length = (key + 3 * j) % C + 1                                            # varied lengths
+    completion_ids[torch.arange(len(key)), length - 1] = tokenizer.eos_token_id
+    return prompt_ids, prompt_mask, completion_ids, gm.completion_mask(completion_ids, tokenizer.eos_token_id)
+
+
+DATA_PARALLEL_RUNS = [(loss_type, mu, S) for loss_type in ("grpo", "dapo", "dr_grpo") for mu in (1, 2)
+                      for S in (1, 2) if S == 1 or mu == 1 and loss_type != "dr_grpo"]
+
+
+def train_on_fixed_completions(tmp_path, world_size):
+    """Two optimizer steps of each (loss_type, μ, S), 16 completions per step over all ranks."""
+    gm.generate_completions = fixed_completions
+    params = {}
+    for loss_type, mu, S in DATA_PARALLEL_RUNS:
+        trainer = make_trainer(tmp_path, loss_type=loss_type, num_iterations=mu, beta=0.1,
+                               per_device_train_batch_size=8 // world_size, gradient_accumulation_steps=2,
+                               steps_per_generation=2 * S, max_steps=2, save_steps=100,
+                               output_dir=str(tmp_path / f"{loss_type}-{mu}-{S}"))
+        trainer.log = lambda metrics: None
+        grads = []  # the gradients each optimizer step applies, after the all-reduce
+        trainer.optimizer.register_step_pre_hook(
+            lambda *_: grads.append([p.grad.clone() for p in trainer.model.parameters()]))
+        trainer.train()
+        params[loss_type, mu, S] = grads, [p.detach().clone() for p in trainer.model.parameters()]
+    return params
+
+
+def data_parallel_worker(rank, world_size, port, tmp_path):
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    params = train_on_fixed_completions(tmp_path, world_size)
+    if rank == 0:
+        torch.save(params, tmp_path / "params.pt")
+    torch.distributed.destroy_process_group()
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_processes_make_the_same_updates_as_one(tmp_path, monkeypatch):
+    monkeypatch.setattr(gm, "generate_completions", fixed_completions)
+    single = train_on_fixed_completions(tmp_path / "single", world_size=1)
+    torch.multiprocessing.spawn(data_parallel_worker, args=(2, free_port(), tmp_path), nprocs=2)
+    double = torch.load(tmp_path / "params.pt")
+    for run in DATA_PARALLEL_RUNS:
+        (grads_1, params_1), (grads_2, params_2) = single[run], double[run]
+        assert len(grads_1) == len(grads_2) == 2
+        for step_1, step_2 in zip(grads_1, grads_2):  # the same gradient, scale included, up to float noise
+            for a, b in zip(step_1, step_2):
+                torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6, msg=f"{run}")
+        # Then the same weights, up to Adam's amplification of float noise in near-zero gradients
+        # (learning rate 1e-2: the weights move by about 2e-2).
+        for a, b in zip(params_1, params_2):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-4, msg=f"{run}")
+
+
+def test_ctrl_c_writes_a_checkpoint_that_resumes_bit_identically(tmp_path):
+    uninterrupted = run_to_end(tmp_path, "a")
+    with pytest.raises(KeyboardInterrupt):
+        run_to_end(tmp_path, "b", stop_at=5)       # between the checkpoints of steps 4 and 6
+    assert checkpoints(tmp_path / "b") == ["checkpoint-2", "checkpoint-4", "checkpoint-5"]
+    assert_same_run(uninterrupted, run_to_end(tmp_path, "b", resume=True))  # True: the newest in output_dir
+
+
+def test_train_again_on_the_same_trainer_after_ctrl_c_resumes_exactly(tmp_path, monkeypatch):
+    """Ctrl-C between the two backward passes of step 3 leaves half a gradient in .grad (the notebook case):
+    train(resume_from_checkpoint=True) on the same trainer object must not add it into the resumed step."""
+    loss, calls = gm.grpo_loss, []
+    def interrupted(*args):  # micro-batches 1-2 are step 1, 3-4 step 2, 5-6 step 3
+        calls.append(1)
+        if len(calls) == 6:
+            raise KeyboardInterrupt
+        return loss(*args)
+    monkeypatch.setattr(gm, "grpo_loss", interrupted)
+    trainer = make_trainer(tmp_path, max_steps=4, save_steps=100)
+    with pytest.raises(KeyboardInterrupt):
+        trainer.train()
+    assert checkpoints(tmp_path / "out") == ["checkpoint-2"]
+    assert any(p.grad is not None for p in trainer.model.parameters())  # what the interruption left
+    monkeypatch.setattr(gm, "grpo_loss", loss)
+    trainer.train(resume_from_checkpoint=True)
+    whole = make_trainer(tmp_path, max_steps=4, save_steps=100, output_dir=str(tmp_path / "whole")).train()
+    assert all(torch.equal(a, b) for a, b in zip(whole.model.parameters(), trainer.model.parameters()))
+    assert metrics_of(tmp_path / "out") == metrics_of(tmp_path / "whole")
+
+
+def test_save_total_limit_keeps_the_newest_checkpoints(tmp_path):
+    run_to_end(tmp_path, "a", save_steps=1, save_total_limit=2)
+    assert checkpoints(tmp_path / "a") == ["checkpoint-5", "checkpoint-6"]
+
+
+def assert_resumes_like_a_run_that_never_stopped(tmp_path, reward=short_is_good):
+    """Finish tmp_path/out's 4-step run from its newest checkpoint; compare with a run that never stopped."""
+    resumed, whole = (make_trainer(tmp_path, reward, max_steps=4, save_steps=100,
+                                   output_dir=str(tmp_path / d)) for d in ("out", "whole"))
+    resumed.train(resume_from_checkpoint=True)
+    whole.train()
+    assert all(torch.equal(a, b) for a, b in zip(whole.model.parameters(), resumed.model.parameters()))
+    assert metrics_of(tmp_path / "out") == metrics_of(tmp_path / "whole")
+
+
+def test_a_failing_reward_function_keeps_the_finished_steps(tmp_path, child_at):
+    """A reward failing in step 3 leaves checkpoint-2, which resumes exactly like a run that never failed."""
+    calls = []
+    def flaky_reward(completion_ids, **kw):  # short_is_good, but its 3rd call raises
+        calls.append(1)
+        if len(calls) == 3:
+            raise ConnectionError("the grader is down")
+        return short_is_good(completion_ids)
+    with pytest.raises(RuntimeError, match="reward function 'flaky_reward' failed: ConnectionError"):
+        make_trainer(tmp_path, flaky_reward, max_steps=4, save_steps=100).train()
+    assert checkpoints(tmp_path / "out") == ["checkpoint-2"]
+    assert_resumes_like_a_run_that_never_stopped(tmp_path, flaky_reward)  # its 3rd call is past: it works now
+
+
+A_60_S_CALL_IN_STEP_3 = """
+import functools, time
+from pathlib import Path
+import test_grpo_long_runs as t, grpo_multistep as gm
+generate, calls = gm.generate_completions, []
+def slow(function):  # its 3rd call (step 3) takes 60 s: a long generation, an LLM judge
+    @functools.wraps(function)
+    def wrapped(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            open({flag!r}, "w").close()
+            time.sleep(60)
+        return function(*args, **kwargs)
+    return wrapped
+if {phase!r} == "generate":
+    gm.generate_completions = slow(generate)
+t.make_trainer(Path({tmp!r}), slow(t.short_is_good) if {phase!r} == "reward" else t.short_is_good,
+               max_steps=4, save_steps=100).train()
+"""
+
+
+def run_until(child_at, script, flag, signum, command=None):
+    """Run `script` in a child process, send it `signum` once `flag` exists; its exit status and the seconds
+    from the signal to its exit."""
+    with child_at(flag, script, command) as process:
+        sent = time.monotonic()
+        process.send_signal(signum)
+        return process.wait(timeout=60), time.monotonic() - sent
+
+
+@pytest.mark.parametrize("phase", ["generate", "reward"])
+def test_sigterm_stops_a_60_s_step_within_seconds_keeping_the_finished_steps(tmp_path, phase, child_at):
+    """SIGTERM (preemption: SLURM and Kubernetes send SIGKILL about 30 s later) during step 3's 60 s
+    generation or reward call: that step is abandoned, checkpoint-2 is written, and the process exits with
+    status 143 (128 + 15) within seconds. The checkpoint resumes bit-identically."""
+    flag = tmp_path / "slow"
+    script = A_60_S_CALL_IN_STEP_3.format(flag=str(flag), tmp=str(tmp_path), phase=phase)
+    code, seconds = run_until(child_at, script, flag, signal.SIGTERM)
+    assert code == 143 and seconds < 20, (code, seconds)
+    assert checkpoints(tmp_path / "out") == ["checkpoint-2"]
+    assert_resumes_like_a_run_that_never_stopped(tmp_path)
+
+
+SIGTERM_DURING_THE_UPDATE_OF_STEP_3 = """
+import os, signal
+from pathlib import Path
+import test_grpo_long_runs as t
+trainer = t.make_trainer(Path({tmp!r}), max_steps=4, save_steps=100)
+updates = []
+def preempted(optimizer, args, kwargs):  # runs inside optimizer.step(): the weights are being updated
+    updates.append(1)
+    if len(updates) == 3:
+        os.kill(os.getpid(), signal.SIGTERM)
+trainer.optimizer.register_step_post_hook(preempted)
+trainer.train()
+"""
+
+
+def test_a_signal_during_the_weight_update_waits_for_the_step_to_end(tmp_path):
+    """SIGTERM inside step 3's update does not checkpoint half a step: step 3 ends, checkpoint-3 holds it."""
+    script = SIGTERM_DURING_THE_UPDATE_OF_STEP_3.format(tmp=str(tmp_path))
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                            env=CHILD_ENV)
+    assert result.returncode == 143, result.stderr[-3000:]
+    assert checkpoints(tmp_path / "out") == ["checkpoint-3"]
+    assert_resumes_like_a_run_that_never_stopped(tmp_path)
+
+
+def test_a_non_finite_gradient_stops_training_with_the_weights_untouched_and_a_checkpoint(tmp_path,
+                                                                                        monkeypatch):
+    """A NaN loss in step 2 stops the run before the NaN reaches a weight; step 1 is checkpointed."""
+    loss, calls = gm.grpo_loss, []
+    def nan_in_step_2(*args):
+        calls.append(1)
+        value, stats = loss(*args)
+        if len(calls) > 2:  # micro-batches 3 and 4 are step 2's
+            value = value * math.nan
+        return value, stats
+    monkeypatch.setattr(gm, "grpo_loss", nan_in_step_2)
+    trainer = make_trainer(tmp_path, max_steps=4, save_steps=100)
+    after_step_1 = []
+    trainer.optimizer.register_step_post_hook(
+        lambda *_: after_step_1.append([p.detach().clone() for p in trainer.model.parameters()]))
+    with pytest.raises(RuntimeError, match="non-finite"):
+        trainer.train()
+    assert len(after_step_1) == 1 and checkpoints(tmp_path / "out") == ["checkpoint-1"]
+    assert all(torch.equal(a, b) for a, b in zip(after_step_1[0], trainer.model.parameters()))
+
+
+def test_train_outside_the_main_thread_runs_without_signal_handlers(tmp_path):
+    """Only the main thread can set signal handlers: elsewhere train() sets none, and runs."""
+    trainer, handler = make_trainer(tmp_path), signal.getsignal(signal.SIGTERM)
+    thread = threading.Thread(target=trainer.train)
+    thread.start()
+    thread.join()
+    assert trainer.step == 2 and signal.getsignal(signal.SIGTERM) is handler
+
+
+ONE_RANK_FAILS = """
+import os, sys
+from pathlib import Path
+os.environ.update(RANK=sys.argv[1], LOCAL_RANK=sys.argv[1], WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                  MASTER_PORT="{port}")
+import test_grpo_long_runs as t
+calls = []
+def reward(completion_ids, **kw):
+    calls.append(1)
+    if sys.argv[1] == "0" and len(calls) == 2:  # only rank 0 fails, in step 2
+        raise ConnectionError("the grader is down")
+    return t.short_is_good(completion_ids)
+t.make_trainer(Path({tmp!r}), reward, max_steps=4, save_steps=100).train()
+"""
+
+
+def test_a_failure_on_one_rank_ends_every_rank_and_keeps_the_finished_steps(tmp_path):
+    """Under torchrun, an error on one rank ends every rank (none waits in a collective) with a checkpoint."""
+    script = ONE_RANK_FAILS.format(port=free_port(), tmp=str(tmp_path))
+    ranks = [subprocess.Popen([sys.executable, "-c", script, str(rank)], env=CHILD_ENV) for rank in (0, 1)]
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and None in [p.poll() for p in ranks]:
+        time.sleep(0.5)
+    codes = [p.poll() for p in ranks]
+    for p in ranks:
+        p.kill()
+        p.wait()
+    assert None not in codes, f"a rank still runs 120 s after rank 0's error (exit codes {codes})"
+    assert 0 not in codes, f"the failed run must end in an error on every rank (exit codes {codes})"
+    assert checkpoints(tmp_path / "out") == ["checkpoint-1"]
+
+
+TORCHRUN_WORKER = """
+import os, sys, time
+from pathlib import Path
+import test_grpo_long_runs as t
+calls = []
+def reward(completion_ids, **kw):  # rank 1's grader hangs for 60 s in step 3 of the first run
+    calls.append(1)
+    if sys.argv[1] == "slow" and os.environ["RANK"] == "1" and len(calls) == 3:
+        open({flag!r}, "w").close()
+        time.sleep(60)
+    return t.short_is_good(completion_ids)
+trainer = t.make_trainer(Path({tmp!r}), reward, max_steps=4, save_steps=100, per_device_train_batch_size=4,
+                         gradient_accumulation_steps=1, output_dir=sys.argv[2])
+trainer.train(resume_from_checkpoint=sys.argv[3] == "resume")
+t.torch.distributed.destroy_process_group()
+"""
+
+
+def test_sigterm_to_torchrun_stops_every_rank_within_seconds_with_a_checkpoint(tmp_path, child_at):
+    """torchrun forwards SIGTERM to its workers (and SIGKILLs them 30 s later). With rank 1 inside a 60 s
+    reward call of step 3 and rank 0 waiting for it in a collective, both stop within seconds; checkpoint-2
+    holds each rank's file, and it resumes bit-identically."""
+    worker, flag = tmp_path / "worker.py", tmp_path / "slow"
+    worker.write_text(TORCHRUN_WORKER.format(flag=str(flag), tmp=str(tmp_path)))
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                str(worker)]
+    code, seconds = run_until(child_at, None, flag, signal.SIGTERM, command=[*torchrun, "slow", str(tmp_path / "out"),
+                                                                   "new"])
+    assert code != 0 and seconds < 20, (code, seconds)
+    assert checkpoints(tmp_path / "out") == ["checkpoint-2"]
+    ranks = sorted(n for n in os.listdir(tmp_path / "out" / "checkpoint-2") if n.startswith("rank"))
+    assert ranks == ["rank_0.pt", "rank_1.pt"]
+    for args in (["fast", str(tmp_path / "out"), "resume"], ["fast", str(tmp_path / "whole"), "new"]):
+        done = subprocess.run([*torchrun, *args], env=CHILD_ENV, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-5000:]
+    weights = [gm.AutoModelForCausalLM.from_pretrained(tmp_path / d).state_dict() for d in ("out", "whole")]
+    assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
+    assert metrics_of(tmp_path / "out") == metrics_of(tmp_path / "whole")
+
+
+TWO_RANKS_RESUME = """
+import os, sys
+from pathlib import Path
+import test_grpo_long_runs as t
+trainer = t.make_trainer(Path({tmp!r}), max_steps=6, save_steps=int(sys.argv[2]),
+                         per_device_train_batch_size=4, gradient_accumulation_steps=1, num_iterations=2,
+                         steps_per_generation=2, output_dir=sys.argv[1])
+trainer.train(resume_from_checkpoint=sys.argv[3] if sys.argv[3] != "new" else None)
+t.torch.distributed.destroy_process_group()
+"""
+
+
+def test_two_processes_resume_bit_identically_inside_a_generation_batch(tmp_path):
+    """μ = 2, S = 2 under torchrun: checkpoint-2 falls inside a generation batch (steps 0-3). Each process
+    saved its own part of the batch; resumed, both make the updates of a run that never stopped."""
+    worker = tmp_path / "worker.py"
+    worker.write_text(TWO_RANKS_RESUME.format(tmp=str(tmp_path)))
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                str(worker)]
+    for args in ([str(tmp_path / "whole"), "2", "new"],
+                 [str(tmp_path / "out"), "100", str(tmp_path / "whole" / "checkpoint-2")]):
+        done = subprocess.run([*torchrun, *args], env=CHILD_ENV, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-5000:]
+    assert sorted(os.listdir(tmp_path / "whole" / "checkpoint-2")).count("rank_1.pt") == 1
+    weights = [gm.AutoModelForCausalLM.from_pretrained(tmp_path / d).state_dict() for d in ("out", "whole")]
+    assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
+
+
+def test_a_fresh_run_refuses_an_output_dir_that_holds_files_and_names_them(tmp_path):
+    """A user's config.json there would be overwritten by the final save, another run's checkpoints mixed
+    with this one's. overwrite_output_dir=True deletes the earlier run's checkpoints and metrics only."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "config.json").write_text("the user's")
+    with pytest.raises(ValueError, match="output_dir .* holds config.json: .*overwrite_output_dir=True"):
+        make_trainer(tmp_path).train()
+    assert sorted(os.listdir(out)) == ["config.json"]
+    (out / "config.json").unlink()
+    make_trainer(tmp_path, max_steps=3, save_steps=1).train()
+    (out / "notes.txt").write_text("mine")
+    trainer = make_trainer(tmp_path, max_steps=1, save_steps=100, overwrite_output_dir=True).train()
+    assert checkpoints(out) == ["checkpoint-1"] and [r["step"] for r in metrics_of(out)] == [1]
+    assert (out / "notes.txt").read_text() == "mine" and trainer.step == 1
+
+
+def test_gradient_checkpointing_gives_the_same_gradients(tmp_path):
+    """With activations recomputed, per_token_logps takes its one-pass path (no shared prompt cache)."""
+    plain, checkpointed = (first_step_gradients(make_trainer(tmp_path / str(gc), num_iterations=2, beta=0.1,
+                                                             gradient_checkpointing=gc))
+                           for gc in (False, True))
+    for a, b in zip(plain, checkpointed):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_importing_works_with_any_transformers_and_the_trainer_names_an_older_one():
+    """grpo_loss and group_advantages copy into any project: the version check runs when a trainer is made."""
+    code = ("import transformers; transformers.__version__ = '5.10.0'; import grpo_long_runs as lr; "
+            "print('imported'); lr.GRPOTrainer('model', print)")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=CHILD_ENV)
+    assert "imported" in result.stdout
+    assert "GRPOTrainer needs transformers >= 5.24, found 5.10.0" in result.stderr
+
+
+def test_evaluation_needs_a_held_out_set(tmp_path):
+    with pytest.raises(ValueError, match="eval_strategy='steps' needs an eval_dataset"):
+        make_trainer(tmp_path, eval_strategy="steps").train()
+    with pytest.raises(TypeError, match="eval_dataset must be a datasets.Dataset"):
+        make_trainer(tmp_path, eval_dataset="prompts.jsonl")
+
+
+def test_report_to_tensorboard_writes_the_scalars_of_metrics_jsonl_at_the_same_steps(tmp_path):
+    event_accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
+    make_trainer(tmp_path, report_to="tensorboard", max_steps=3).train()
+    rows = [json.loads(line) for line in open(tmp_path / "out" / "metrics.jsonl")]
+    (run,) = (tmp_path / "out" / "runs").iterdir()
+    events = event_accumulator.EventAccumulator(str(run), size_guidance={"scalars": 0})
+    events.Reload()
+    assert set(events.Tags()["scalars"]) == set(rows[0]) - {"step"}
+    for tag in events.Tags()["scalars"]:
+        logged = [(e.step, e.value) for e in events.Scalars(tag)]
+        assert logged == [(r["step"], pytest.approx(r[tag], rel=1e-6)) for r in rows], tag
+
+
+def test_report_to_wandb_offline_and_trackio_log_each_row_at_its_step(tmp_path, monkeypatch):
+    """wandb in offline mode (the run it starts is real, and finished; what it is sent is recorded) and
+    trackio (local: its own database, read back) receive every row of metrics.jsonl at its step."""
+    wandb = pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    monkeypatch.setenv("TRACKIO_DIR", str(tmp_path / "trackio"))  # (read when trackio is first imported)
+    monkeypatch.setenv("TRACKIO_PROJECT", "grpo-test")
+    pytest.importorskip("trackio")
+    sent, init = [], wandb.init
+    class Recorded:  # the offline run, and what it is sent
+        def __init__(self, **kwargs):
+            self.run = init(**kwargs)
+        def log(self, metrics, step):
+            sent.append((step, dict(metrics)))
+            self.run.log(metrics, step=step)
+        def finish(self):
+            self.run.finish()
+    monkeypatch.setattr(wandb, "init", Recorded)
+    make_trainer(tmp_path, report_to=["wandb", "trackio"], max_steps=2).train()
+    rows = [json.loads(line) for line in open(tmp_path / "out" / "metrics.jsonl")]
+    assert sent == [(r["step"], {k: v for k, v in r.items() if k != "step"}) for r in rows]
+    assert list(tmp_path.glob("wandb/offline-run-*/run-*.wandb"))
+    storage = importlib.import_module("trackio.sqlite_storage").SQLiteStorage
+    (run,) = storage.get_runs("grpo-test")
+    stored = [{k: v for k, v in log.items() if k != "timestamp"}
+              for log in storage.get_logs("grpo-test", run)]
+    assert stored == [{k: pytest.approx(v) for k, v in r.items()} for r in rows]
+
+
+def test_report_to_names_known_trackers_that_are_installed(monkeypatch):
+    """TRL's forms: a name, a list, 'all' (what is installed) or 'none'; a missing package fails at once."""
+    assert GRPOConfig().report_to == [] and GRPOConfig(report_to="none").report_to == []
+    with pytest.raises(ValueError,
+                       match=r"report_to names \['mlflow'\]: each must be one of \('tensorboard', 'wandb', 'trackio'\)"):
+        GRPOConfig(report_to="mlflow")
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "wandb" else find_spec(name, *a))
+    with pytest.raises(ImportError,
+                       match=r"report_to names \['wandb'\], which are not installed: pip install wandb"):
+        GRPOConfig(report_to=["wandb"])
+    assert "wandb" not in GRPOConfig(report_to="all").report_to
+
+
+def test_model_init_kwargs_load_a_folder_in_bfloat16_where_a_float32_lora_adapter_trains(tmp_path):
+    """The small-GPU setup: a 16-bit base model (model_init_kwargs, TRL's name; default: float32, whatever the
+    folder holds) and LoRA adapters in float32 (peft's default)."""
+    tokenizer, folder = make_tokenizer(), str(tmp_path / "tiny")
+    make_model(tokenizer).to(torch.bfloat16).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    assert make_trainer(tmp_path, model=folder).model.dtype == torch.float32
+    trainer = make_trainer(tmp_path, model=folder, model_init_kwargs='{"dtype": "bfloat16"}',  # a flag's JSON
+                           peft_config=lora(), beta=0.1, num_iterations=2, max_steps=3)
+    frozen = {p.dtype for p in trainer.model.parameters() if not p.requires_grad}
+    adapter = [p for p in trainer.model.parameters() if p.requires_grad]
+    assert frozen == {torch.bfloat16} and {p.dtype for p in adapter} == {torch.float32}
+    before = [p.detach().clone() for p in adapter]
+    trainer.train()
+    assert all(not torch.equal(a, b) for a, b in zip(before, adapter))
