@@ -1,6 +1,6 @@
 """The addition testbed: the task's answers, the rewards' known values, the split, the starting model's
 accuracy, the metrics' two namings, the budget clock, the rate choice, and one short run's rows."""
-import json, os
+import json, math, os
 
 import pytest
 import torch
@@ -184,3 +184,71 @@ def test_per_pass_averages_each_pass_over_every_step_of_the_confirmation_runs(mo
     _, summary = rep.per_pass_section([], runs)
     assert summary["per_pass"]["μ=2"]["clip"] == pytest.approx([0.0, 0.3])
     assert summary["per_pass"]["μ=1"]["kl"] == [0.0]
+
+
+def test_t_tail_and_quantile_match_the_closed_forms_of_one_and_two_degrees_of_freedom():
+    from experiments import addition_report as rep
+    assert rep.t_tail(100.0, 1) == pytest.approx(0.5 - math.atan(100.0) / math.pi, rel=1e-6)
+    assert rep.t_tail(3.0, 2) == pytest.approx(0.5 * (1 - 3.0 / math.sqrt(9.0 + 2)), rel=1e-6)
+    assert rep.t_tail(30.0, 2) == pytest.approx(0.5 * (1 - 30.0 / math.sqrt(900.0 + 2)), rel=1e-6)
+    p = 0.9875  # Student's t with 2 degrees of freedom: the quantile is (2p - 1) / sqrt(2p(1 - p))
+    assert rep.t_quantile(p, 2) == pytest.approx((2 * p - 1) / math.sqrt(2 * p * (1 - p)), abs=1e-6)
+
+
+def test_holm_adjusts_a_textbook_family_of_four_p_values():
+    from experiments import addition_report as rep
+    out = rep.holm({"a": 0.01, "b": 0.04, "c": 0.03, "d": 0.005})
+    # Sorted: d 4 × 0.005 = 0.02, a 3 × 0.01 = 0.03, c 2 × 0.03 = 0.06 (kept), b max(0.06, 1 × 0.04).
+    assert {k: v["p_holm"] for k, v in out.items()} == pytest.approx({"d": 0.02, "a": 0.03, "c": 0.06,
+                                                                      "b": 0.06})
+    assert {k: v["level"] for k, v in out.items()} == pytest.approx({"d": 1 - 0.05 / 4, "a": 1 - 0.05 / 3,
+                                                                     "c": 0.975, "b": 0.975})
+
+
+def test_corrected_intervals_by_hand_for_two_comparisons_with_two_degrees_of_freedom():
+    """Differences 0.1, 0.2, 0.3 (t = 2√3) and 0.5, 0.6, 0.7 (t = 6√3), standard error 0.1/√3. With 2
+    degrees of freedom the two-sided p is 1 - t/√(t² + 2): 0.0742 and 0.00913. Holm: 2 × 0.00913 < 0.05,
+    so the second's interval is at 97.5 %; 0.0742 is kept, at 95 %."""
+    from experiments import addition_report as rep
+    zero = {1: 0.0, 2: 0.0, 3: 0.0}
+    out = rep.corrected({"x": ({1: 0.1, 2: 0.2, 3: 0.3}, zero), "y": ({1: 0.5, 2: 0.6, 3: 0.7}, zero)})
+    error = 0.1 / math.sqrt(3)
+    assert out["x"]["p"] == pytest.approx(1 - 2 * math.sqrt(3) / math.sqrt(14), rel=1e-5)
+    assert out["y"]["p"] == pytest.approx(1 - 6 * math.sqrt(3) / math.sqrt(110), rel=1e-5)
+    assert out["y"]["p_holm"] == pytest.approx(2 * out["y"]["p"]) and out["x"]["p_holm"] == out["x"]["p"]
+    quantile = 0.975 / math.sqrt(2 * 0.9875 * 0.0125)  # t's 98.75 % point, 2 degrees of freedom: 6.2054
+    assert (out["y"]["low"], out["y"]["high"]) == pytest.approx((0.6 - quantile * error,
+                                                                 0.6 + quantile * error))
+    assert (out["x"]["low"], out["x"]["high"]) == pytest.approx((0.2 - 4.3027 * error, 0.2 + 4.3027 * error),
+                                                                abs=1e-4)
+    assert out["y"]["uncorrected"]["low"] == pytest.approx(0.6 - 4.3027 * error, abs=1e-4)
+
+
+def test_the_margin_against_mu_1_s_gain_from_the_start():
+    from experiments import addition_report as rep
+    confirmation = {"μ=1 @ 2048": {"mean": 0.32}, "μ=1 @ 8192": {"mean": 0.35}, "μ=2 @ 8192": {"mean": 0.9}}
+    margin = rep.margin_against_gain(confirmation, 0.27)
+    assert margin["2048"] == pytest.approx({"gain": 0.05, "share": 0.6})
+    assert margin["8192"] == pytest.approx({"gain": 0.08, "share": 0.375})
+
+
+def test_the_confirmation_corrects_sampled_and_greedy_each_as_a_family(monkeypatch):
+    """μ = 2 against μ = 1 at both budgets: each metric's family holds two comparisons. Greedy: μ = 2 is
+    0.1, 0.2, 0.3 above at 2,048 (p = 0.0742) and 0.5, 0.6, 0.7 at 8,192 (p = 0.00913): 97.5 % and 95 %."""
+    from experiments import addition_report as rep
+    monkeypatch.setattr(ad, "chosen_rates", lambda rows: {(arm, b): 1e-5 for arm in ("μ=1", "μ=2")
+                                                          for b in ad.BUDGETS})
+    runs = {}
+    for seed, (small, large) in zip((101, 102, 103), ((0.1, 0.5), (0.2, 0.6), (0.3, 0.7))):
+        for arm, extra in (("μ=1", 0.0), ("μ=2", 1.0)):
+            rows = [{"completions": 32 * ad.STEP_SIZE, "accuracy": 0.3 + seed / 1e3 + extra * small / 10,
+                     "greedy": 0.4 + extra * small},
+                    {"completions": 128 * ad.STEP_SIZE,
+                     "accuracy": 0.35 + seed ** 2 / 1e6 + extra * large / 10,
+                     "greedy": 0.5 + extra * large}]
+            runs["confirm", arm, 1e-5, seed] = rows
+    _, summary = rep.confirmation_section([], runs, 0.27)
+    small, large = (summary["confirmation"][f"μ=2 @ {b * ad.STEP_SIZE}"]["greedy_vs"] for b in ad.BUDGETS)
+    assert (small["level"], large["level"]) == pytest.approx((0.95, 0.975))
+    assert small["mean"] == pytest.approx(0.2) and large["p_holm"] == pytest.approx(2 * large["p"])
+    assert summary["margin"]["2048"]["gain"] == pytest.approx(0.3 + 0.102 - 0.27)
