@@ -302,6 +302,131 @@ def margin_against_gain(confirmation, start, margin=MARGIN):
     return out
 
 
+# ---- In TRL PR #2899's terms: completions, and the generation share where an arm pays -----------------
+G_ASKED = 0.9  # a machine where generating takes 90 % of a μ = 1 step, as on a GPU with HF generate
+R_ENDS = {"S=4": (1.0, 0.25)}  # S = 4's larger generation call: compute-bound (r = 1) to launch-bound (1/4)
+
+
+def interpolate(points, x):
+    """y at x on the polyline through points [(x, y)], x rising: linear between the two points around x,
+    and beyond the ends along the first or the last segment."""
+    ad.require(all(p[0] < q[0] for p, q in zip(points, points[1:])), "interpolate needs a rising x")
+    i = 0
+    while i < len(points) - 2 and x > points[i + 1][0]:
+        i += 1
+    (x0, y0), (x1, y1) = points[i], points[i + 1]
+    return y0 + (x - x0) * (y1 - y0) / (x1 - x0)
+
+
+def completions_ratio(curve, budget, diff):
+    """{"mean", "low", "high"}: the completions that μ = 1 needs on its mean curve [(completions, accuracy)]
+    to reach its accuracy at `budget` plus the paired difference (its mean and its interval's ends), over
+    the budget. log2(completions) is linear in accuracy between two evaluations, and beyond the curve's
+    ends it follows its first or last segment."""
+    inverse = [(accuracy, math.log2(c)) for c, accuracy in curve]
+    at = dict(curve)[budget]
+    return {k: 2 ** interpolate(inverse, at + diff[k]) / budget for k in ("mean", "low", "high")}
+
+
+def break_even_share(ratio, mu, r, old):
+    """g*: the generation share of a μ = 1 step at which the arm's time per completion, predicted(g*, ...),
+    equals `ratio` (μ = 1's completions needed, over the arm's); the arm pays per second above it."""
+    return (mu + old - ratio) / (mu + old - r)
+
+
+def seeds_to_decide(diff, threshold):
+    """About how many seeds the paired interval `diff` needs to leave out `threshold`, its half width
+    shrinking as 1/√n while its mean, its spread and its level stay as they are."""
+    half = (diff["high"] - diff["low"]) / 2
+    return math.ceil(diff["n"] * (half / abs(diff["mean"] - threshold)) ** 2)
+
+
+def pays_at(g, g_star):
+    """The reading of a machine's g against g* {"mean", "low", "high"}."""
+    if g > g_star["high"]:
+        return "pays"
+    if g < g_star["low"]:
+        return "does not pay"
+    return "undecided"
+
+
+def share(x):
+    """g* as a share: above 1 no machine reaches it, below 0 every one does."""
+    if x >= 1:
+        return "≥ 1"
+    if x <= 0:
+        return "≤ 0"
+    return f"{x:.2f}"
+
+
+def mean_curve(runs, arm, lr):
+    """[(completions, mean held-out sampled accuracy)] of the arm's confirmation runs at lr, at every
+    evaluation that two seeds or more reached."""
+    curve = []
+    for k in ad.EVALS:
+        values = by_seed(runs, "confirm", arm, lr, k)
+        if len(values) >= 2:
+            curve.append((k * ad.STEP_SIZE, statistics.mean(values.values())))
+    return curve
+
+
+def break_even_section(rows, runs, confirmation, old):
+    """For each arm against μ = 1 and each budget: the completions that μ = 1 needs to match the arm, as a
+    ratio with the interval of the Holm-corrected paired difference carried through μ = 1's mean curve, and
+    from it the generation share g* above which the arm pays per second, by the cost model with the π_old
+    pass at `old` of an update."""
+    chosen = ad.chosen_rates(rows)
+    lines = ["## In TRL PR #2899's terms: the completions μ = 1 needs, and the generation share g* where "
+             "an arm pays", "",
+             "c: the completions that μ = 1 needs to reach each arm's mean accuracy, over the arm's, read on "
+             "μ = 1's mean curve (confirmation seeds, at its rate for the budget, evaluated at 256 to 8,192 "
+             "completions) with log2(completions) linear in accuracy between evaluations; above 8,192 (*) "
+             "the last doubling's slope is extended, an extrapolation. Its interval carries the ends of the "
+             "Holm-corrected paired interval through the same curve, which is taken as exact. The cost "
+             "model gives an arm's time per completion against μ = 1's as g·r + (1 − g)(μ + l), g being "
+             f"generation's share of a μ = 1 step and l = {old:.2f} the π_old pass against an update, as "
+             "measured here; so the arm pays per second where g > g* = (μ + l − c)/(μ + l − r), with r = 1, "
+             "or for S = 4 from 1 (compute-bound) to 1/4 (launch-bound). Seeds to decide: about how many "
+             f"paired seeds would put g = {G_ASKED} outside g*'s interval, if the mean, the spread and the "
+             "level stayed as they are.", "",
+             f"| arm | r | budget | Δ sampled, Holm | c [interval] | g* [interval] | at g = {G_ASKED} | "
+             "seeds to decide |", "|---|---|---|---|---|---|---|---|"]
+    found = []
+    for b in ad.BUDGETS:
+        completions = b * ad.STEP_SIZE
+        curve = mean_curve(runs, "μ=1", chosen["μ=1", b])
+        at, top = dict(curve)[completions], curve[-1][1]
+        forward = [(math.log2(c), accuracy) for c, accuracy in curve]
+        for arm in ad.ARMS:
+            entry = confirmation.get(f"{arm} @ {completions}", {})
+            diff = entry.get("vs")
+            if diff is None or diff["arm"] != "μ=1":
+                continue
+            ratio = completions_ratio(curve, completions, diff)
+            mu = ad.ARMS[arm]["num_iterations"]
+            beyond = at + diff["high"] > top
+            for r in R_ENDS.get(arm, (1.0,)):
+                g_star = {"mean": break_even_share(ratio["mean"], mu, r, old),
+                          "low": break_even_share(ratio["high"], mu, r, old),
+                          "high": break_even_share(ratio["low"], mu, r, old)}
+                reading_there = pays_at(G_ASKED, g_star)
+                needed = "—"
+                if reading_there == "undecided":
+                    asked = predicted(G_ASKED, mu, ad.cycle(arm)[0], r, old)
+                    threshold = interpolate(forward, math.log2(asked * completions)) - at
+                    needed = seeds_to_decide(diff, threshold)
+                found.append({"arm": arm, "r": r, "completions": completions, "ratio": ratio,
+                              "g_star": g_star, "at": {"g": G_ASKED, "reading": reading_there,
+                                                       "seeds_to_decide": needed},
+                              "extrapolated": beyond})
+                mark = "*" if beyond else ""
+                lines.append(f"| {arm} | {r:g} | {completions:,} | {signed(diff)} | {ratio['mean']:.2f} "
+                             f"[{ratio['low']:.2f}, {ratio['high']:.2f}]{mark} | {share(g_star['mean'])} "
+                             f"[{share(g_star['low'])}, {share(g_star['high'])}] | {reading_there} | "
+                             f"{needed} |")
+    return lines, {"break_even": {"l": old, "rows": found}}
+
+
 def per_step_section(rows, runs):
     """The plan's secondary reading: each arm at its rate for a budget, read after as many optimizer steps as
     μ = 1 takes to spend that budget (so after fewer completions where μ > 1), paired against μ = 1, the ten
@@ -380,12 +505,12 @@ def bridge_section(rows, runs):
     return lines if found else []
 
 
-def predicted(g, mu, S, r):
+def predicted(g, mu, S, r, old=1 / 3):
     """A mini-batch's time against μ = 1's (the plan's cost model): generation g·r, μ updates, and where
-    μ·S > 1 the π_old pass, a third of an update."""
+    μ·S > 1 the π_old pass, `old` of an update (the plan's third, unless measured)."""
     if mu * S == 1:
         return 1.0
-    return g * r + (1 - g) * (mu + 1 / 3)
+    return g * r + (1 - g) * (mu + old)
 
 
 def seconds_section(rows, runs):
@@ -521,8 +646,10 @@ def report(rows_path, folder):
              f"({', '.join(sorted({f'{p} {sum(k[0] == p for k in runs)}' for p, *_ in runs}))}).", ""]
     summary = {"start": start}
     if latest_phase(runs) == "confirm":
-        for part, more in (confirmation_section(rows, runs, start), per_step_section(rows, runs),
-                           per_pass_section(rows, runs)):
+        part, more = confirmation_section(rows, runs, start)
+        old = measured_shares(runs, "confirm").get("old", 1 / 3)  # the plan's third where nothing was timed
+        for part, more in ((part, more), break_even_section(rows, runs, more["confirmation"], old),
+                           per_step_section(rows, runs), per_pass_section(rows, runs)):
             lines += part + [""]
             summary.update(more)
     else:

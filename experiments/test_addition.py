@@ -252,3 +252,50 @@ def test_the_confirmation_corrects_sampled_and_greedy_each_as_a_family(monkeypat
     assert (small["level"], large["level"]) == pytest.approx((0.95, 0.975))
     assert small["mean"] == pytest.approx(0.2) and large["p_holm"] == pytest.approx(2 * large["p"])
     assert summary["margin"]["2048"]["gain"] == pytest.approx(0.3 + 0.102 - 0.27)
+
+
+def test_interpolate_and_the_completions_ratio_on_a_toy_curve():
+    """μ = 1 climbs 2 points from 256 to 512 completions and 4 from 512 to 1,024. At 512, +2 points is
+    half the next doubling (512·√2), -1 point half the doubling before (256·√2), and +6 points lies past
+    the curve: its last segment, 4 points a doubling, extended by half a doubling (1,024·√2)."""
+    from experiments import addition_report as rep
+    points = [(0, 0), (1, 2), (3, 3)]
+    assert [rep.interpolate(points, x) for x in (2, -1, 5)] == [2.5, -2, 4]
+    curve = [(256, 0.20), (512, 0.22), (1024, 0.26)]
+    ratio = rep.completions_ratio(curve, 512, {"mean": 0.02, "low": -0.01, "high": 0.06})
+    assert ratio == pytest.approx({"mean": math.sqrt(2), "low": math.sqrt(2) / 2, "high": 2 * math.sqrt(2)})
+
+
+def test_the_break_even_share_the_seeds_to_decide_and_the_reading():
+    from experiments import addition_report as rep
+    assert rep.break_even_share(4 / 3, 4, 1.0, 1 / 3) == pytest.approx(0.9)  # μ = 4 costs 4/3 at g = 0.9
+    assert rep.predicted(rep.break_even_share(1.7, 8, 1.0, 0.39), 8, 1, 1.0, 0.39) == pytest.approx(1.7)
+    assert rep.break_even_share(1.0, 1, 0.25, 0.5) == pytest.approx(0.4)  # S = 4, launch-bound: 0.5/1.25
+    diff = {"mean": 0.25, "low": -0.25, "high": 0.75, "n": 20}  # half width 0.5
+    assert rep.seeds_to_decide(diff, 0.75) == 20 and rep.seeds_to_decide(diff, 0.5) == 80
+    assert [rep.pays_at(g, {"low": 0.5, "high": 0.8}) for g in (0.9, 0.4, 0.6)] == ["pays", "does not pay",
+                                                                                    "undecided"]
+    assert [rep.share(x) for x in (1.2, -0.1, 0.456)] == ["≥ 1", "≤ 0", "0.46"]
+
+
+def test_the_break_even_section_reads_mu_4_on_mu_1_s_curve(monkeypatch):
+    """μ = 1's mean climbs 1 point a doubling. μ = 4 at 2,048 is 1 point [0, 2] above: μ = 1 needs 2 [1, 4]
+    times the completions, so g* = (4 + 1/3 - c)/(4 + 1/3 - 1) = 0.7 [0.1, 1]. At g = 0.9 μ = 4 costs 4/3,
+    worth log2(4/3) points on the curve: 3 seeds would have to become 3 (1 / (1 - log2(4/3)))² or so."""
+    from experiments import addition_report as rep
+    monkeypatch.setattr(ad, "chosen_rates", lambda rows: {(arm, b): 1e-5 for arm in ("μ=1", "μ=4")
+                                                          for b in ad.BUDGETS})
+    runs = {}
+    for seed in (101, 102, 103):
+        runs["confirm", "μ=1", 1e-5, seed] = [{"completions": k * ad.STEP_SIZE,
+                                               "accuracy": 0.2 + 0.01 * math.log2(k) + (seed - 102) / 1e3}
+                                              for k in ad.EVALS]
+    diff = {"arm": "μ=1", "mean": 0.01, "low": 0.0, "high": 0.02, "n": 3}
+    below = {"arm": "μ=1", "mean": -0.005, "low": -0.01, "high": 0.005, "n": 3}  # its top end past 8,192
+    _, summary = rep.break_even_section([], runs, {"μ=4 @ 2048": {"vs": diff}, "μ=4 @ 8192": {"vs": below}},
+                                        1 / 3)
+    small, large = summary["break_even"]["rows"]
+    assert small["ratio"] == pytest.approx({"mean": 2.0, "low": 1.0, "high": 4.0})
+    assert small["g_star"] == pytest.approx({"mean": 0.7, "low": 0.1, "high": 1.0})
+    assert small["at"]["reading"] == "undecided" and not small["extrapolated"] and large["extrapolated"]
+    assert small["at"]["seeds_to_decide"] == math.ceil(3 * (1 / (1 - math.log2(4 / 3))) ** 2)
