@@ -424,6 +424,10 @@ def break_even_section(rows, runs, confirmation, old):
                              f"[{ratio['low']:.2f}, {ratio['high']:.2f}]{mark} | {share(g_star['mean'])} "
                              f"[{share(g_star['low'])}, {share(g_star['high'])}] | {reading_there} | "
                              f"{needed} |")
+    curve = mean_curve(runs, "μ=1", chosen["μ=1", max(ad.BUDGETS)])
+    lines += ["", f"μ = 1's mean curve at {chosen['μ=1', max(ad.BUDGETS)]:g} (completions: held-out sampled "
+              "accuracy, %): " + ", ".join(f"{c:,}: {pct(accuracy)}" for c, accuracy in curve)
+              + f"; its last doubling {100 * (curve[-1][1] - curve[-2][1]):+.1f} points."]
     return lines, {"break_even": {"l": old, "rows": found}}
 
 

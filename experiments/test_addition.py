@@ -292,8 +292,9 @@ def test_the_break_even_section_reads_mu_4_on_mu_1_s_curve(monkeypatch):
                                               for k in ad.EVALS]
     diff = {"arm": "μ=1", "mean": 0.01, "low": 0.0, "high": 0.02, "n": 3}
     below = {"arm": "μ=1", "mean": -0.005, "low": -0.01, "high": 0.005, "n": 3}  # its top end past 8,192
-    _, summary = rep.break_even_section([], runs, {"μ=4 @ 2048": {"vs": diff}, "μ=4 @ 8192": {"vs": below}},
-                                        1 / 3)
+    lines, summary = rep.break_even_section([], runs, {"μ=4 @ 2048": {"vs": diff},
+                                                       "μ=4 @ 8192": {"vs": below}}, 1 / 3)
+    assert lines[-1].endswith("8,192: 27.0; its last doubling +1.0 points.")
     small, large = summary["break_even"]["rows"]
     assert small["ratio"] == pytest.approx({"mean": 2.0, "low": 1.0, "high": 4.0})
     assert small["g_star"] == pytest.approx({"mean": 0.7, "low": 0.1, "high": 1.0})
