@@ -200,10 +200,11 @@ def break_even_rule(g):
                                       f"{share(g_star['high'])}]",
                      f"here, g = {g:.3f}": pays_at(g, g_star)})
     return (f"On 2-digit sums ({os.path.relpath(SUMMARY)}: a 332k-weight model, 6-token completions, one CPU "
-            "core), each arm at its tuned rate paid per second against μ = 1 where a machine's g exceeds g* "
-            "(r: a 4× larger generation call's time per completion against one call's, S = 4's only). "
-            "Here: pays where g lies above g*'s interval, does not where below, undecided inside, if a "
-            "completion is worth here what it was worth there.\n\n" + markdown_table(arms))
+            "core), each arm at its tuned rate would pay per second against μ = 1 on a machine whose g "
+            "exceeds g*, by the cost model (r: a 4× larger generation call's time per completion against one "
+            "call's, S = 4's only). Here: pays where g lies above g*'s interval, does not where below, "
+            "undecided inside, if a completion is worth here what it was worth there.\n\n"
+            + markdown_table(arms))
 
 
 if __name__ == "__main__":
