@@ -175,8 +175,9 @@ def cuda_free_bytes():  # the GPU's free memory, its CUDA context already taken:
 
 def native_bf16():
     """Whether the GPU computes bf16 in hardware (NVIDIA: compute capability 8.0, Ampere, and later).
-    torch.cuda.is_bf16_supported() also says yes where bf16 is only emulated (T4, V100, RTX 20xx), where
-    autocast is slower than float32 and needs more memory; its including_emulation=False leaves those out."""
+    torch.cuda.is_bf16_supported() also says yes where bf16 is only emulated (T4, V100, RTX 20xx): no bf16
+    units to gain speed from, and autocast's weight copies cost memory. including_emulation=False leaves
+    those cards out."""
     if "including_emulation" in inspect.signature(torch.cuda.is_bf16_supported).parameters:
         return torch.cuda.is_bf16_supported(including_emulation=False)
     return torch.cuda.get_device_capability() >= (8, 0)  # a torch without the argument: the same rule
@@ -264,7 +265,7 @@ def fit_gpu(args, lora_rank, model, world_size=1, free=None, as_given=False):
     options = [("as given", args, lora_rank)]
     if not args.gradient_checkpointing:
         options.append(("with gradient checkpointing", replace(args, gradient_checkpointing=True), lora_rank))
-    if args.bf16 and lora_rank is None:  # the whole model still, at the same rate: before an adapter
+    if args.bf16 and lora_rank is None:  # the whole model at its own rate, so before an adapter's other one
         options.append(("float32 with gradient checkpointing",
                         replace(args, bf16=False, gradient_checkpointing=True), None))
     if lora_rank is None and importlib.util.find_spec("peft"):  # (else the refusal says to install it)
