@@ -546,20 +546,30 @@ def test_missing_smollm2_package_says_how_to_install(tmp_path, monkeypatch):
         train_tldr.resolve_model(train_tldr.OFFLINE_MODEL)
 
 
+def fake_card(monkeypatch, bf16):
+    """A GPU whose bf16 is "native" (compute capability 8.6: RTX 30xx) or "emulated" (7.5: T4, RTX 20xx),
+    as torch reports it: is_bf16_supported() says yes for both, but with including_emulation=False."""
+    def is_bf16_supported(including_emulation=True):
+        return bf16 == "native" or including_emulation
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", is_bf16_supported)
+    capability = (8, 6) if bf16 == "native" else (7, 5)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+
+
 @pytest.fixture
 def on_a_gpu(tmp_path, monkeypatch):
-    """The demo on a faked GPU: torch.cuda.is_available() says yes, is_bf16_supported() what a test asks
-    for (yes unless told), and the one function that reads the GPU's free memory gives what a test asks for.
-    The model folder holds Qwen2.5-0.5B's config.json alone: the choice reads nothing else, and run_all is
-    replaced by a recorder, so that nothing loads or trains."""
+    """The demo on a faked GPU: torch.cuda.is_available() says yes, its bf16 is what a test asks for
+    (fake_card; native unless told), and the one function that reads the GPU's free memory gives what a
+    test asks for. The model folder holds Qwen2.5-0.5B's config.json alone: the choice reads nothing else,
+    and run_all is replaced by a recorder, so that nothing loads or trains."""
     folder = tmp_path / "qwen2.5-0.5b"
     AutoConfig.for_model(**tldr_memory.QWEN25_05B).save_pretrained(folder)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     runs = []
     monkeypatch.setattr(train_tldr, "run_all", lambda config, configs, out, opts: runs.append((config, opts)))
 
-    def main(free_gib, *argv, bf16=True):  # (the run's GRPOConfig, its other options)
-        monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda: bf16)
+    def main(free_gib, *argv, bf16="native"):  # (the run's GRPOConfig, its other options)
+        fake_card(monkeypatch, bf16)
         monkeypatch.setattr(tldr_memory, "cuda_free_bytes", lambda: int(free_gib * 2**30))
         train_tldr.main(["--model", str(folder), *argv])
         return runs[-1]
@@ -573,37 +583,62 @@ def estimated(preset_argv, **changes):  # the printed estimate of the pr2899 pre
     return f"as given {peak / 2**30:.1f} GiB"
 
 
-# Free memory of an 8, 12 and 16 GB card once CUDA's context has its share (the README gives a 12 GB card's)
-@pytest.mark.parametrize("free_gib, bf16, running, checkpointing, lora", [
-    (7.5, True, "LoRA (rank 16) on bfloat16 weights", False, 16),
-    (11.5, True, "LoRA (rank 16) on bfloat16 weights", False, 16),  # checkpointing is within the margin
-    (15.5, True, "as given", False, None),
-    (11.5, False, "with gradient checkpointing", True, None),  # float32: a card without bf16
-    (15.5, False, "as given", False, None)])
-def test_on_a_gpu_the_demo_runs_the_pr2899_preset_as_it_fits_the_free_memory(on_a_gpu, capsys, free_gib,
-                                                                             bf16, running, checkpointing,
-                                                                             lora):
-    config, opts = on_a_gpu(free_gib, bf16=bf16)
+# Free memory of an 8, 12 and 16 GB card once CUDA's context has its share, each with native and with
+# emulated bf16, and the README's words for what it runs: each must be in the README, and be what it runs.
+TWELVE_GB = "a 12 GB card, native bf16 or not, the whole model in float32 with gradient checkpointing"
+CARDS = [
+    (7.5, "native", "an 8 GB card a LoRA adapter", "LoRA (rank 16) on bfloat16 weights", True, False, 16),
+    (7.5, "emulated", "an 8 GB card a LoRA adapter", "LoRA (rank 16)", False, False, 16),
+    (11.5, "native", TWELVE_GB, "float32 with gradient checkpointing", False, True, None),  # bf16's: too near
+    (11.5, "emulated", TWELVE_GB, "with gradient checkpointing", False, True, None),
+    (15.5, "native", "a 16 GB card trains the whole model, in bf16 autocast where the card computes bf16 "
+     "natively", "as given", True, False, None),
+    (15.5, "emulated", "a 16 GB card trains the whole model, in bf16 autocast where the card computes bf16 "
+     "natively, else in float32", "as given", False, False, None)]
+
+
+@pytest.mark.parametrize("free_gib, card, readme, running, bf16, checkpointing, lora", CARDS)
+def test_on_a_gpu_the_demo_runs_the_pr2899_preset_as_the_readme_says_for_the_card(on_a_gpu, capsys, free_gib,
+                                                                                  card, readme, running,
+                                                                                  bf16, checkpointing, lora):
+    with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "README.md")) as f:
+        words = " ".join(f.read().split())
+    assert readme in words, f"the README no longer says {readme!r}"
+    config, opts = on_a_gpu(free_gib, bf16=card)
     assert opts.preset == "pr2899" and (config.beta, config.max_steps) == (0.04, 200)  # the preset, on CUDA
-    assert (config.gradient_checkpointing, opts.lora) == (checkpointing, lora)
+    assert (config.bf16, config.gradient_checkpointing, opts.lora) == (bf16, checkpointing, lora)
     dtype = (config.model_init_kwargs or {}).get("dtype")
-    assert (config.bf16, dtype) == (bf16, "bfloat16" if lora else None)  # LoRA's base weights: bf16's
+    assert dtype == ("bfloat16" if lora and bf16 else None)  # LoRA's base weights: bf16's, if autocast
+    assert config.learning_rate == pytest.approx(1e-5 if lora else 1e-6)  # LoRA's: 10 times the rate
     out = capsys.readouterr().out
     assert f"GPU: {free_gib} GiB free" in out and f"GPU: running {running}\n" in out
 
 
-@pytest.mark.parametrize("supported", [True, False])
-def test_on_a_gpu_bf16_is_chosen_where_the_card_supports_it_and_the_estimate_follows(on_a_gpu, capsys,
-                                                                                     supported):
-    """bf16 autocast over float32 weights where torch.cuda.is_bf16_supported(), float32 elsewhere, said on
-    the console; the memory estimate is that of the choice; --bf16 given decides."""
-    config, _ = on_a_gpu(40.0, bf16=supported)
+@pytest.mark.parametrize("card", ["native", "emulated"])
+def test_on_a_gpu_bf16_is_chosen_where_the_card_computes_it_natively_and_the_estimate_follows(on_a_gpu,
+                                                                                             capsys, card):
+    """bf16 autocast over float32 weights where the card computes bf16 natively, float32 where it only
+    emulates it (slower, and more memory), said on the console; the memory estimate is that of the choice;
+    --bf16 given decides."""
+    native = card == "native"
+    config, _ = on_a_gpu(40.0, bf16=card)
     out = capsys.readouterr().out
-    assert config.bf16 is supported and not config.model_init_kwargs  # float32 master weights
-    said = "bf16 autocast over float32 weights" if supported else "float32 (the card supports bf16: False)"
+    assert config.bf16 is native and not config.model_init_kwargs  # float32 master weights
+    said = "bf16 autocast over float32 weights (the card computes bf16 natively: True"
+    if not native:
+        said = "float32 (the card computes bf16 natively: False"
     assert f"GPU: {said}" in out
-    assert estimated([], bf16=supported) in out and estimated([], bf16=not supported) not in out
-    assert on_a_gpu(40.0, "--bf16", "False", bf16=True)[0].bf16 is False  # asked for by name
+    assert estimated([], bf16=native) in out and estimated([], bf16=not native) not in out
+    assert on_a_gpu(40.0, "--bf16", "False")[0].bf16 is False  # asked for by name
+    assert on_a_gpu(40.0, "--bf16", "True", bf16="emulated")[0].bf16 is True
+
+
+@pytest.mark.parametrize("capability, native", [((7, 5), False), ((8, 0), True), ((9, 0), True)])
+def test_a_torch_that_cannot_leave_emulation_out_tells_native_bf16_by_compute_capability(monkeypatch,
+                                                                                        capability, native):
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda: True)  # no including_emulation argument
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    assert tldr_memory.native_bf16() is native
 
 
 def test_on_a_gpu_near_the_margin_it_says_may_not_fit_and_how_to_force_either_choice(on_a_gpu, capsys):
@@ -611,7 +646,8 @@ def test_on_a_gpu_near_the_margin_it_says_may_not_fit_and_how_to_force_either_ch
     config, opts = on_a_gpu(11.5)
     out = capsys.readouterr().out
     assert "with gradient checkpointing may not fit" in out
-    assert "`--gradient_checkpointing True --as_given` runs it" in out and "`--lora 16` runs LoRA" in out
+    assert "`--gradient_checkpointing True --as_given` runs it" in out
+    assert "`--bf16 False --gradient_checkpointing True` runs float32 with gradient checkpointing" in out
     assert tldr_memory.MARGIN == 1.1
     config, opts = on_a_gpu(11.5, "--gradient_checkpointing", "True", "--as_given")  # forced: as given
     assert (config.gradient_checkpointing, opts.lora) == (True, None)
@@ -657,6 +693,18 @@ def test_on_a_gpu_without_peft_lora_is_not_chosen_and_the_refusal_says_so(on_a_g
                         find_spec(n, *a))
     with pytest.raises(SystemExit, match=r"with peft installed \(pip install peft\), LoRA is tried too"):
         on_a_gpu(7.5)
+    config, opts = on_a_gpu(11.5)  # bf16's checkpointed 11.1 GiB is too near: float32's 10.2, not a refusal
+    assert (config.bf16, config.gradient_checkpointing, opts.lora) == (False, True, None)
+
+
+def test_the_demo_imports_and_logs_without_the_unix_only_resource_module():
+    """Native Windows has no `resource` module: the demo must import, and its memory metrics do without."""
+    code = ("import sys; sys.modules['resource'] = None; import train_tldr, tldr_memory; "
+            "print(sorted(tldr_memory.peak_memory_gib()))")
+    result = subprocess.run([sys.executable, "-c", code], cwd=os.path.dirname(os.path.abspath(__file__)),
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0 and result.stdout == "[]\n", result.stderr[-3000:]
+    assert list(tldr_memory.peak_memory_gib()) == ["peak_rss_gib"]  # with it (and no GPU): the peak RSS
 
 
 def test_on_a_gpu_a_model_the_memory_model_cannot_size_runs_as_given(on_a_gpu, tmp_path, capsys):
@@ -666,13 +714,15 @@ def test_on_a_gpu_a_model_the_memory_model_cannot_size_runs_as_given(on_a_gpu, t
 
 
 def test_the_gpu_check_script_runs_end_to_end_on_the_cpu(tiny, tmp_path):
-    """docs/gpu-sweep/run.sh, what a person with a GPU runs, on the tiny model, 2 steps per μ and no memory
-    step (minutes and 10 GiB on a CPU: experiments/test_memory_model.py's part): every file it writes."""
+    """docs/gpu-sweep/run.sh, what a person with a GPU runs, on the tiny model with the pr2899 preset (which
+    logs every 5th step), 2 steps per μ and no memory step (minutes and 10 GiB on a CPU:
+    experiments/test_memory_model.py's part): every file it writes, a metrics line per optimizer step."""
     out = tmp_path / "out"
     env = {**os.environ, "STEPS": "2", "MEMORY_RUNS": "", "GIT_COMMIT": "abc1234", "OMP_NUM_THREADS": "1",
            "PATH": f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}"}  # run.sh's python3: this one
-    small = args(tiny, "unused")[:6] + ["--num_generations", "4", "--per_device_train_batch_size", "4",
-                                        "--gradient_accumulation_steps", "1", "--max_completion_length", "8"]
+    small = ["--preset", "pr2899", "--model", tiny["model"], "--dataset", tiny["data"], "--num_generations",
+             "4", "--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "1",
+             "--max_completion_length", "8"]
     script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "docs", "gpu-sweep", "run.sh")
     result = subprocess.run(["bash", script, str(out), *small], env=env, capture_output=True, text=True,
                             timeout=900)
@@ -685,7 +735,8 @@ def test_the_gpu_check_script_runs_end_to_end_on_the_cpu(tiny, tmp_path):
     pair = (out / "pair.md").read_text()
     assert "| 1 | 2 | 2 |" in pair and "| 4 | 2 | 1 |" in pair  # μ, steps, generation batches
     assert "μ = 4's seconds per optimizer step ÷ μ = 1's" in pair
-    assert "    preset cpu (chosen with --preset)" in pair
+    assert "    preset pr2899 (chosen with --preset)" in pair
+    assert [r["step"] for r in map(json.loads, open(out / "metrics-mu=4.jsonl"))] == [1, 2]
     assert is_png(out / "rewards.png") and "== written to" in (out / "log.txt").read_text()
 
 

