@@ -142,6 +142,7 @@ class GRPOTrainer(core.GRPOTrainer):
         if self.world_size > 1:
             dist.barrier()  # The other processes write into output_dir only once it is ready.
         self.signal = None
+        self.start_time = time.perf_counter()
         with keep_finished_steps(self):
             if self.rank == 0:
                 self.trackers = [Tracker(name, args) for name in args.report_to]
@@ -228,6 +229,7 @@ class GRPOTrainer(core.GRPOTrainer):
         raise_held_signal(self)
 
     def log(self, row):
+        row["elapsed"] = time.perf_counter() - self.start_time  # Seconds since train() began.
         super().log(row)
         if self.rank == 0 and self.args.log_completions:
             for prompt, completion, reward in self.samples[:4]:

@@ -22,6 +22,7 @@ import torch
 from datasets import Dataset
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
+import grpo_long_runs
 import grpo_multistep as gm
 
 torch.set_num_threads(1)  # a 32-wide model gains nothing from threads, and loses a lot to a busy machine
@@ -185,9 +186,9 @@ def test_log_probs_equal_trls_at_the_sampling_temperature(temperature):
     _, _, completion_ids, completion_mask = fixed_completions(MODEL, TOKENIZER, ids, mask, None)
     prompt_ids, prompt_mask = ids.repeat_interleave(G, 0), mask.repeat_interleave(G, 0)
     theirs = torch.tensor([x for row in GOLDEN["logps"][temperature] for x in row])
-    def fast(*args):  # its log-probs, without the entropies beside them
-        return gm.per_token_logps(*args)[0]
-    for per_token_logps in (fast, gm.plain_per_token_logps):
+    for module in (grpo_long_runs, gm):  # the layer's faster pass, the core's plain one
+        def per_token_logps(*args):  # its log-probs, without the entropies beside them
+            return module.per_token_logps(*args)[0]
         with torch.no_grad():
             logps = per_token_logps(MODEL, prompt_ids, prompt_mask, completion_ids, completion_mask,
                                     float(temperature))

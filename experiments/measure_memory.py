@@ -98,7 +98,7 @@ def child(spec):
     import warnings
     import torch, transformers
     from tokenizers import Tokenizer, models, pre_tokenizers
-    import grpo_multistep as gm
+    import grpo_long_runs as gm
     warnings.filterwarnings("ignore")  # prompts longer than max_prompt_length: on purpose
     config = transformers.AutoConfig.for_model(**spec["config"])
     model_class = transformers.AutoModelForCausalLM._model_mapping[type(config)]  # its module imported now
@@ -174,7 +174,7 @@ def fit(config, args, figures):
 def main(argv):
     import argparse
     import transformers
-    import grpo_multistep as gm
+    import grpo_long_runs as gm
     from tldr_memory import estimate_step_memory
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -21,6 +21,7 @@ import time
 
 import torch
 
+import grpo_long_runs
 import grpo_multistep
 import train_tldr
 from experiments import benchmark
@@ -82,11 +83,11 @@ def main(argv):
     steps = int(argv[0]) if argv and argv[0].isdigit() else 3
     flags = argv[1:] if argv and argv[0].isdigit() else argv
     print(f"RSS of the imports, before the model: {rss() / GIB:.2f} GiB")
-    grpo_multistep.per_token_logps = count_saved(grpo_multistep.per_token_logps)
+    grpo_long_runs.per_token_logps = count_saved(grpo_long_runs.per_token_logps)  # the pass the demo runs
     on_end = record_heap_free if mallinfo2 else None
     gm = grpo_multistep
     for owner, name, label in [(gm, "generate_completions", "generate"), (gm, "cached_logps", "logps"),
-                               (gm, "per_token_logps", "forward"), (torch.Tensor, "backward", "backward"),
+                               (grpo_long_runs, "per_token_logps", "forward"), (torch.Tensor, "backward", "backward"),
                                (torch.optim.AdamW, "step", "optimizer")]:
         in_phase(phase, owner, name, label, on_end)
     threading.Thread(target=sample, daemon=True).start()

@@ -9,7 +9,7 @@ import pytest
 import torch
 import transformers
 
-import grpo_multistep as gm
+import grpo_long_runs as gm
 from experiments import measure_memory
 from tldr_memory import QWEN25_05B, activation_bytes, estimate_step_memory, lora_param_count, param_count
 
