@@ -122,10 +122,10 @@ def child(spec):
                 live[label] = max(live.get(label, 0), m.uordblks + m.hblkhd)
             time.sleep(0.002)
 
-    for owner, name, label in [(gm, "generate_completions", "generate"),
+    for owner, name, label in [(gm.core, "generate_completions", "generate"),
                                (gm.GRPOTrainer, "cached_logps", "logps"),
                                (gm, "per_token_logps", "forward"), (torch.Tensor, "backward", "backward"),
-                               (torch.optim.AdamW, "step", "optimizer"), (gm, "save_checkpoint", "save")]:
+                               (torch.optim.AdamW, "step", "optimizer"), (gm.core, "save_checkpoint", "save")]:
         in_phase(phase, owner, name, label)
     baseline, m = rss(), in_use and in_use()
     baseline_live = m and m.uordblks + m.hblkhd
