@@ -19,7 +19,7 @@ from collections import defaultdict
 
 import numpy, safetensors.torch, torch
 from datasets import Dataset
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 # ========================================= PART I: THE ALGORITHM =========================================
 # ---- 1. Generation: for each prompt q, sample G completions o_1..o_G ~ π_old(· | q) --------------------
@@ -230,11 +230,13 @@ class GRPOTrainer:
         S = mini_batches_per_generation(self.args)
         steps_per_batch = self.args.num_iterations * S
         while self.step < self.args.max_steps and not self.should_stop:
+            metrics = dict.fromkeys(self.sampled_names, math.nan)  # A step that reuses a batch samples none.
             if self.step % steps_per_batch == 0:  # Time for a new generation batch: sections 1 to 3.
-                self.batch, self.batch_metrics = self.generate_and_score(self.step // steps_per_batch)
+                self.batch, metrics = self.generate_and_score(self.step // steps_per_batch)
+                self.sampled_names = list(metrics)
             j = self.step % steps_per_batch  # This step is pass j // S of μ, on mini-batch j % S.
-            metrics = self.optimizer_step(mini_batches(self.batch, S)[j % S])
-            self.end_of_step({**self.batch_metrics, **metrics})  # Evaluate, log, checkpoint (Part II).
+            metrics.update(self.optimizer_step(mini_batches(self.batch, S)[j % S]))
+            self.end_of_step(metrics)  # Evaluate, log and checkpoint (Part II).
         save_final_model(self)
         return self
 
@@ -497,8 +499,8 @@ def evaluate(trainer):
     return {f"eval_{k}": v for k, v in batch_metrics(trainer, sample).items()}
 
 # After each step: evaluate, log and checkpoint, in that order as in TRL; then stop where log() asked to.
-# Every step's metrics hold its generation batch's (carried to each step that reuses the batch), so rows
-# have the same keys; an evaluation adds eval_* to the row of its window.
+# A row averages its steps' metrics, NaN (null in metrics.jsonl) where none of them had a value: a reward
+# where no step sampled, so every row has the same keys. An evaluation adds eval_* to its window's row.
 def end_of_step(trainer, metrics):
     args = trainer.args
     last = trainer.step == args.max_steps
@@ -509,7 +511,10 @@ def end_of_step(trainer, metrics):
     if trainer.step % args.logging_steps == 0 or last:
         row = {"step": trainer.step}
         for k, values in trainer.window.items():
-            row[k] = sum(values) / len(values)
+            present = [v for v in values if not math.isnan(v)]
+            row[k] = math.nan
+            if present:
+                row[k] = sum(present) / len(present)
         trainer.window.clear()
         trainer.log(row)
     if args.save_strategy == "steps" and (trainer.step % args.save_steps == 0 or last):
@@ -532,7 +537,7 @@ def new_run(trainer):
     schedule(trainer, 0)
     trainer.step = 0
     trainer.batch = None  # The generation batch that the current μ·S optimizer steps share.
-    trainer.batch_metrics = {}
+    trainer.sampled_names = []  # The metrics of a generation batch: NaN in the steps that reuse it.
     trainer.samples = []
     trainer.should_stop = False  # log() may set it, to end training after this step.
     trainer.window = defaultdict(list)  # The metrics of the steps since the last logged row.
@@ -576,7 +581,7 @@ def save_checkpoint(trainer):
     trainer.model.save_pretrained(tmp)
     torch.save(trainer.optimizer.state_dict(), os.path.join(tmp, "optimizer.pt"))
     state = {"step": trainer.step, "world_size": trainer.world_size, "window": trainer.window,
-             "batch_metrics": trainer.batch_metrics, "config": dataclasses.asdict(trainer.args)}
+             "sampled_names": trainer.sampled_names, "config": dataclasses.asdict(trainer.args)}
     with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
         json.dump(state, f, default=plain)
     shutil.rmtree(folder, ignore_errors=True)  # This step's checkpoint from an earlier try, if any.
@@ -599,7 +604,11 @@ def load_checkpoint(trainer, path):
         found = list_checkpoints(trainer.args.output_dir)
         require(found, f"{trainer.args.output_dir!r} holds no checkpoint to resume: start a fresh run")
         path = found[-1]
-    with open(os.path.join(path, "trainer_state.json")) as f:  # A missing file is named by its path.
+    weights_file = "adapter_model.safetensors" if is_peft(trainer.model) else "model.safetensors"
+    files = ("trainer_state.json", "optimizer.pt", weights_file, f"rank_{trainer.rank}.pt")
+    missing = [f for f in files if not os.path.isfile(os.path.join(path, f))]
+    require(not missing, f"{os.fspath(path)!r} is no checkpoint of this run's kind: it lacks {missing}")
+    with open(os.path.join(path, "trainer_state.json")) as f:
         state = json.load(f)
     then = dict(state["config"], world_size=state["world_size"])
     now = dict(dataclasses.asdict(trainer.args), world_size=trainer.world_size)
@@ -607,7 +616,6 @@ def load_checkpoint(trainer, path):
              "gradient_accumulation_steps", "world_size", "seed")  # What the prompts and batches depend on.
     changed = {k: (then[k], now[k]) for k in shape if then[k] != now[k]}
     require(not changed, f"checkpoint {os.fspath(path)!r} has another batch shape (then, now): {changed}")
-    weights_file = "adapter_model.safetensors" if is_peft(trainer.model) else "model.safetensors"
     weights = safetensors.torch.load_file(os.path.join(path, weights_file), device=str(trainer.device))
     ours = trainer.model.state_dict()
     if is_peft(trainer.model):
@@ -625,7 +633,7 @@ def load_checkpoint(trainer, path):
     trainer.step = state["step"]
     schedule(trainer, trainer.step)
     trainer.window = defaultdict(list, state["window"])
-    trainer.batch_metrics = state["batch_metrics"]
+    trainer.sampled_names = state["sampled_names"]
     if trainer.rank == 0:  # The resumed run logs the later steps again: each step once.
         with open(os.path.join(trainer.args.output_dir, "metrics.jsonl"), "a+") as f:
             f.seek(0)

@@ -154,8 +154,8 @@ KILLED_IN_THE_FINAL_SAVE = """
 import time, torch
 import train_tldr  # found through the child's PYTHONPATH, the repository's root
 save = torch.save
-def killed(obj, path, *args, **kwargs):  # μ = 1's last checkpoint: its model is written, its state not yet
-    if isinstance(obj, dict) and obj.get("step") == 3 and obj["config"]["num_iterations"] == 1:
+def killed(obj, path, *args, **kwargs):  # μ = 1's last checkpoint: its model is written, AdamW's not yet
+    if str(path).endswith("mu=1/checkpoint-3.tmp/optimizer.pt"):
         open({flag!r}, "w").close()
         time.sleep(600)
     save(obj, path, *args, **kwargs)

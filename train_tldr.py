@@ -214,7 +214,7 @@ class Trainer(GRPOTrainer):
         finite = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in metrics.items()}
         with open(os.path.join(self.args.output_dir, "metrics.jsonl"), "a") as f:
             f.write(json.dumps(finite) + "\n")  # null, not NaN: what jq and JSON.parse read
-        fresh, clip = "reward" in metrics, metrics["clip_ratio/region_mean"]  # TRL's: low and high together
+        fresh, clip = not math.isnan(metrics["reward"]), metrics["clip_ratio/region_mean"]  # TRL's: low and high together
         new = f"  reward {metrics['reward']:.4g}" if fresh else ""  # a generation batch: its samples, once
         print(f"step {metrics['step']}/{self.args.max_steps}{new}  clip {clip:.3g}  "
               f"{metrics['elapsed'] / metrics['step']:.3g} s/step", flush=True)
@@ -253,7 +253,7 @@ def run_points(config):
         records = [json.loads(line) for line in f if line.endswith("\n")]  # not a line cut short
     cycle = config.num_iterations * S  # optimizer steps per generation batch
     return [{"mu": config.num_iterations, "lr": config.learning_rate, "seed": config.seed, **r, "generated":
-             "reward" in r, "generated_completions": batch * math.ceil(r["step"] / cycle)} for r in records]
+             r["reward"] is not None, "generated_completions": batch * math.ceil(r["step"] / cycle)} for r in records]
 
 def state_of(folder):  # "unfinished": checkpoints newer than its final model, if any; "finished"; or None
     names = ("model.safetensors", "model.safetensors.index.json", "adapter_model.safetensors")  # final save

@@ -32,7 +32,7 @@ from datasets import Dataset
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-import grpo_long_runs as lr
+import grpo_long_runs as long_runs
 import grpo_multistep as gm
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -168,7 +168,7 @@ def completions_of(model, tokenizer, prompts, samples, temperature, seed):
     """`samples` completions per prompt, decoded as the trainer decodes them (up to and including the first
     EOS, special tokens skipped), from `seed` inside fork_rng: the caller's random stream goes on as if
     nothing had been drawn."""
-    args = lr.GRPOConfig(output_dir=tempfile.gettempdir(), num_generations=samples,
+    args = long_runs.GRPOConfig(output_dir=tempfile.gettempdir(), num_generations=samples,
                          max_completion_length=MAX_COMPLETION, temperature=temperature)
     ids, mask = gm.tokenize_prompts(tokenizer, prompts, None)
     eos = torch.tensor([tokenizer.eos_token_id])
@@ -215,7 +215,7 @@ GROUP, PROMPTS_PER_STEP = 8, 8  # completions per prompt, prompts per optimizer 
 STEP_SIZE = GROUP * PROMPTS_PER_STEP
 CONFIG = dict(per_device_train_batch_size=STEP_SIZE, gradient_accumulation_steps=1, num_generations=GROUP,
               max_prompt_length=8, max_completion_length=MAX_COMPLETION, temperature=1.0, beta=0.0,
-              loss_type="grpo", lr_scheduler_type="constant", logging_steps=1, save_steps=10**6,
+              loss_type="grpo", lr_scheduler_type="constant", logging_steps=1, save_strategy="no",
               overwrite_output_dir=True)
 DIAG_ROWS = 16  # completions of each mini-batch that the diagnostics measure: a quarter, for their cost
 CLIP_OFF = dict(epsilon=1 - 1e-9, epsilon_high=1e9)  # the ratio kept in [1e-9, 1e9]: no clip in effect
@@ -360,7 +360,7 @@ class Recorder:
         self.window = self.empty_window()
 
 
-class Run(lr.GRPOTrainer):
+class Run(long_runs.GRPOTrainer):
     def log(self, metrics):  # instead of the trainer's own: no line printed, no output_dir/metrics.jsonl
         self.recorder.log(self, metrics)
 
@@ -371,7 +371,7 @@ def run_one(tags, start, tokenizer, rows_path, reward="exact", max_batches=max(E
     out = tempfile.mkdtemp(prefix="addition-")
     try:
         arm = tags["arm"]
-        config = lr.GRPOConfig(**CONFIG, **ARMS[arm], learning_rate=tags["lr"], seed=tags["seed"],
+        config = long_runs.GRPOConfig(**CONFIG, **ARMS[arm], learning_rate=tags["lr"], seed=tags["seed"],
                                max_steps=steps_at(arm, max_batches), output_dir=out)
         fn = Reward(reward, config)
         trainer = Run(copy_model(start), [fn], args=config, train_dataset=dataset(split()["grpo"]),

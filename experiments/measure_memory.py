@@ -137,7 +137,7 @@ def child(spec):
     phase[0] = "init"
     with tempfile.TemporaryDirectory() as out:
         reward = lambda completions, **kwargs: [-abs(100 - len(c)) for c in completions]  # noqa: E731
-        args = gm.GRPOConfig(output_dir=out, max_steps=spec["steps"], save_steps=10**6, logging_steps=1,
+        args = gm.GRPOConfig(output_dir=out, max_steps=spec["steps"], save_strategy="no", logging_steps=1,
                              **spec["args"])
         trainer = gm.GRPOTrainer(model, reward, args=args, train_dataset=prompts, processing_class=tokenizer)
         phase[0] = "between"

@@ -95,39 +95,6 @@ def make_trainer(tmp_path, reward_funcs=short_is_good, dataset=None, tokenizer=N
                        eval_dataset=eval_dataset, processing_class=tokenizer, peft_config=peft_config)
 
 
-def run_to_end(tmp_path, name, resume=None, stop_at=None, model=None, peft_config=None, eval_dataset=None,
-               **overrides):
-    """Train 6 steps with μ = 3 and a checkpoint every 2 steps (so steps 2 and 4 fall inside a generation
-    batch); return the final weights and the logged metrics without the timings. `stop_at` stands for
-    Ctrl-C after that step's row. model: a function of the tokenizer (default: make_model)."""
-    logged = []
-
-    class Recorder(GRPOTrainer):
-        def log(self, metrics):
-            super().log(metrics)  # metrics.jsonl
-            logged.append({k: v for k, v in metrics.items() if not k.startswith("time") and k != "elapsed"})
-            if metrics["step"] == stop_at:
-                raise KeyboardInterrupt
-
-    tokenizer = make_tokenizer()
-    config = dict(output_dir=str(tmp_path / name), per_device_train_batch_size=4,
-                  gradient_accumulation_steps=2, num_generations=4, max_completion_length=12,
-                  max_steps=6, num_iterations=3, save_steps=2,
-                  learning_rate=1e-2, logging_steps=1, beta=0.1, seed=0)
-    config.update(overrides)
-    trainer = Recorder((model or make_model)(tokenizer), short_is_good, GRPOConfig(**config),
-                       Dataset.from_dict({"prompt": PROMPTS}), eval_dataset=eval_dataset,
-                       processing_class=tokenizer, peft_config=peft_config)
-    trainer.train(resume_from_checkpoint=resume)
-    return [p.detach().clone() for p in trainer.model.parameters()], logged
-
-
-def assert_same_run(a, b):
-    (weights_a, metrics_a), (weights_b, metrics_b) = a, b
-    assert all(torch.equal(x, y) for x, y in zip(weights_a, weights_b))
-    assert metrics_a[-len(metrics_b):] == metrics_b
-
-
 def metrics_of(out):
     """metrics.jsonl without the timings: what a resumed run must log exactly like an uninterrupted one."""
     rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
@@ -358,11 +325,18 @@ def test_two_processes_make_the_same_updates_as_one(tmp_path, monkeypatch):
 
 
 def test_ctrl_c_writes_a_checkpoint_that_resumes_bit_identically(tmp_path):
-    uninterrupted = run_to_end(tmp_path, "a")
+    """Ctrl-C after step 3's row, inside a μ = 2 generation batch: checkpoint-3 holds the batch, and the run
+    resumed from it ends as a run that never stopped."""
+    trainer = make_trainer(tmp_path, max_steps=4, save_steps=100, num_iterations=2)
+    def log(row):
+        GRPOTrainer.log(trainer, row)
+        if row["step"] == 3:
+            raise KeyboardInterrupt
+    trainer.log = log
     with pytest.raises(KeyboardInterrupt):
-        run_to_end(tmp_path, "b", stop_at=5)       # between the checkpoints of steps 4 and 6
-    assert checkpoints(tmp_path / "b") == ["checkpoint-2", "checkpoint-4", "checkpoint-5"]
-    assert_same_run(uninterrupted, run_to_end(tmp_path, "b", resume=True))  # True: the newest in output_dir
+        trainer.train()
+    assert checkpoints(tmp_path / "out") == ["checkpoint-3"]
+    assert_resumes_like_a_run_that_never_stopped(tmp_path, num_iterations=2)
 
 
 def test_train_again_on_the_same_trainer_after_ctrl_c_resumes_exactly(tmp_path, monkeypatch):
@@ -388,14 +362,14 @@ def test_train_again_on_the_same_trainer_after_ctrl_c_resumes_exactly(tmp_path, 
 
 
 def test_save_total_limit_keeps_the_newest_checkpoints(tmp_path):
-    run_to_end(tmp_path, "a", save_steps=1, save_total_limit=2)
-    assert checkpoints(tmp_path / "a") == ["checkpoint-5", "checkpoint-6"]
+    make_trainer(tmp_path, max_steps=4, save_steps=1, save_total_limit=2).train()
+    assert checkpoints(tmp_path / "out") == ["checkpoint-3", "checkpoint-4"]
 
 
-def assert_resumes_like_a_run_that_never_stopped(tmp_path, reward=short_is_good):
+def assert_resumes_like_a_run_that_never_stopped(tmp_path, reward=short_is_good, **overrides):
     """Finish tmp_path/out's 4-step run from its newest checkpoint; compare with a run that never stopped."""
     resumed, whole = (make_trainer(tmp_path, reward, max_steps=4, save_steps=100,
-                                   output_dir=str(tmp_path / d)) for d in ("out", "whole"))
+                                   output_dir=str(tmp_path / d), **overrides) for d in ("out", "whole"))
     resumed.train(resume_from_checkpoint=True)
     whole.train()
     assert all(torch.equal(a, b) for a, b in zip(whole.model.parameters(), resumed.model.parameters()))

@@ -8,7 +8,7 @@ import sys
 
 
 def row(mu, records):
-    last, fresh = records[-1], [r for r in records if "reward" in r]
+    last, fresh = records[-1], [r for r in records if r.get("reward") is not None]
     peak = max(r.get("peak_cuda_gib", 0.0) for r in records)  # (none on a CPU)
     seconds = last["elapsed"]
     return (f"| {mu} | {last['step']} | {len(fresh)} | {seconds:.1f} | {seconds / last['step']:.2f} | "
