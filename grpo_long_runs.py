@@ -16,9 +16,11 @@ import contextlib, dataclasses, importlib, importlib.util, json, math, numbers, 
 import time, typing
 from collections import defaultdict
 
+import safetensors
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from datasets import Dataset
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 import grpo_multistep as core
@@ -99,6 +101,10 @@ class GRPOTrainer(core.GRPOTrainer):
         funcs = reward_funcs if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
         require(len(funcs) > 0 and all(callable(f) for f in funcs), "reward_funcs must be a function or a "
                 f"non-empty list of functions, got {reward_funcs!r}", TypeError)
+        for name, dataset in (("train_dataset", train_dataset), ("eval_dataset", eval_dataset)):
+            kind_ok = dataset is None or isinstance(dataset, (Dataset, list))
+            require(kind_ok, f"{name} must be a datasets.Dataset (prompts are drawn by index) or a list of "
+                    f"rows, got {type(dataset).__name__}", TypeError)
         rank, world_size, device = init_distributed()
         if isinstance(model, (str, os.PathLike)):
             model = load_model(model, args)
@@ -137,6 +143,8 @@ class GRPOTrainer(core.GRPOTrainer):
             found = core.list_checkpoints(args.output_dir)
             require(found, f"{args.output_dir!r} holds no checkpoint to resume: start a fresh run")
             resume_from_checkpoint = found[-1]
+        if resume_from_checkpoint:
+            check_checkpoint(self, os.fspath(resume_from_checkpoint))
         if self.rank == 0:
             prepare_output_dir(args, resume_from_checkpoint)
         if self.world_size > 1:
@@ -398,6 +406,24 @@ def load_model(name, args):  # from_pretrained with model_init_kwargs; a folder'
     require(isinstance(trust, bool), f"model_init_kwargs' trust_remote_code={trust!r} must be True or False "
             "(a string such as 'false' would be true)", TypeError)
     return AutoModelForCausalLM.from_pretrained(os.fspath(name), **kwargs)
+
+
+def check_checkpoint(trainer, path):
+    """Before anything loads: every file a resume reads is there, and the weights have this model's names and
+    shapes (read from the safetensors header alone): load_state_dict would copy those that fit, then raise."""
+    weights_file = "model.safetensors"
+    ours = trainer.model.state_dict()
+    if core.is_peft(trainer.model):
+        weights_file = "adapter_model.safetensors"
+        ours = importlib.import_module("peft").get_peft_model_state_dict(trainer.model)
+    files = ("trainer_state.json", "optimizer.pt", weights_file, f"rank_{trainer.rank}.pt")
+    missing = [f for f in files if not os.path.isfile(os.path.join(path, f))]
+    require(not missing, f"{path!r} is no checkpoint of this kind of run (LoRA or not): it lacks {missing}")
+    with safetensors.safe_open(os.path.join(path, weights_file), "pt") as f:
+        shapes = {k: f.get_slice(k).get_shape() for k in f.keys()}
+    wrong = [k for k in shapes if k not in ours or list(ours[k].shape) != shapes[k]]
+    require(not wrong, f"{weights_file} in {path!r} is another model's: {sorted(wrong)[:3]} differ in name "
+            "or shape")
 
 
 def check_rewards(trainer):  # Weights: finite, one per function; checked again at train().

@@ -198,10 +198,9 @@ def grpo_loss(logps, old_logps, ref_logps, advantages, mask, args, num_seqs, num
 
 # ---- 5. The μ-iteration loop: generate, score, cache, then μ·S optimizer steps -------------------------
 class GRPOTrainer:
-    """GRPOTrainer(model, reward_funcs, args, train_dataset).train(), as in TRL. model: a hub id, a folder
-    or a causal LM (peft_config: a LoRA adapter trains on it). reward_funcs: f(prompts, completions,
-    **kwargs) -> a number or None per completion, or a list. train_dataset: a "prompt" column, and others.
-    A subclass may override logps, evaluate, log, end_of_step, update and save_checkpoint."""
+    """GRPOTrainer(model, reward_funcs, args, train_dataset).train(), as in TRL. model: a hub id, a folder or
+    a causal LM (peft_config: a LoRA adapter trains on it). reward_funcs: f(prompts, completions, **kwargs)
+    -> a number or None per completion. A subclass may override logps, update, all_reduce and the hooks."""
 
     def __init__(self, model, reward_funcs, args=None, train_dataset=None, eval_dataset=None,
                  processing_class=None, peft_config=None):
@@ -209,9 +208,6 @@ class GRPOTrainer:
         self.rank, self.world_size = 0, 1  # One process; grpo_long_runs.py runs several under torchrun.
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self.reward_funcs = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
-        n = len(self.args.reward_weights or self.reward_funcs)
-        require(n == len(self.reward_funcs), f"reward_weights has {n} weights for {len(self.reward_funcs)} "
-                "reward functions")
         self.train_dataset = check_dataset(train_dataset, "train_dataset")
         self.eval_dataset = eval_dataset
         if eval_dataset is not None:
@@ -358,9 +354,8 @@ class GRPOTrainer:
 def arg(default, help):  # A field with its --help text: train_tldr.py turns every field into a flag.
     return dataclasses.field(default=default, metadata={"help": help})
 
-# A process's optimizer step uses per_device_train_batch_size × gradient_accumulation_steps completions,
-# num_generations per prompt. A generation batch holds steps_per_generation micro-batches: that is
-# S = steps_per_generation / gradient_accumulation_steps optimizer steps' worth, each used μ times.
+# An optimizer step uses per_device_train_batch_size × gradient_accumulation_steps completions per process. A
+# generation batch holds steps_per_generation micro-batches: S = steps_per_generation / accumulation steps.
 @dataclasses.dataclass
 class GRPOConfig:
     output_dir: str = arg("grpo-output", "Where metrics, checkpoints and the final model go.")
@@ -428,9 +423,8 @@ def require(ok, message, error=ValueError):  # Input checks fail at the start, n
     if not ok:
         raise error(message)
 
-# The data order: generation batch k's prompts are a function of k alone, so that a resume picks the same.
-# A process takes its share of each of the batch's S steps, so any number of processes make the same steps.
-# This order, the seeding below and load_checkpoint's batch-shape check change together.
+# Generation batch k's prompts are a function of k alone, so that a resume picks the same; a process takes its
+# share of each step. This order, the seeding below and load_checkpoint's batch-shape check change together.
 def prompt_rows(trainer, k):
     args = trainer.args
     n = len(trainer.train_dataset)
@@ -485,9 +479,8 @@ def step_metrics(trainer, sums):  # Sums over micro-batches and processes, per l
         metrics["kl"] = s["kl"] / tokens
     return metrics
 
-# The held-out reward: eval_dataset's prompts (this process's share) sampled and scored as in training, a
-# generation batch's worth at a time, seeded alike each time. The next generation batch seeds itself anew,
-# so a run with evaluations makes the same updates as one without.
+# The held-out reward: eval_dataset's prompts sampled and scored as in training, seeded alike each time. The
+# next generation batch seeds itself anew, so a run with evaluations makes the same updates as one without.
 def evaluate(trainer):
     seed_random_generators(trainer, "eval", 0)
     prompts = list(range(trainer.rank, len(trainer.eval_dataset), trainer.world_size))
@@ -498,9 +491,8 @@ def evaluate(trainer):
                                                               "truncated")}
     return {f"eval_{k}": v for k, v in batch_metrics(trainer, sample).items()}
 
-# After each step: evaluate, log and checkpoint, in that order as in TRL; then stop where log() asked to.
-# A row averages its steps' metrics, NaN (null in metrics.jsonl) where none of them had a value: a reward
-# where no step sampled, so every row has the same keys. An evaluation adds eval_* to its window's row.
+# After each step: evaluate, log and checkpoint, in that order as in TRL. A row averages its steps' metrics,
+# NaN (null in metrics.jsonl) where none had a value (no step sampled), so rows have the same keys.
 def end_of_step(trainer, metrics):
     args = trainer.args
     last = trainer.step == args.max_steps
@@ -563,10 +555,8 @@ def start_run(trainer, resume_from_checkpoint):
     elif trainer.rank == 0 and os.path.exists(os.path.join(args.output_dir, "metrics.jsonl")):
         os.remove(os.path.join(args.output_dir, "metrics.jsonl"))  # A fresh run's rows start anew.
 
-# Checkpoints: checkpoint-<step> holds the model's (or the adapter's) safetensors, optimizer.pt (AdamW's
-# tensors), trainer_state.json (the step, the config) and a rank_<r>.pt per process with its generation
-# batch, where the checkpoint falls inside one: the remaining steps of that batch reuse its completions and
-# cached log-probs, so with μ·S > 1 they are training state as much as the weights are.
+# Checkpoints: the model's (or adapter's) safetensors, optimizer.pt, trainer_state.json, and a rank_<r>.pt per
+# process with its generation batch: with μ·S > 1 the batch's later steps reuse it, so it is training state.
 def save_checkpoint(trainer):
     folder = os.path.join(trainer.args.output_dir, f"checkpoint-{trainer.step}")
     tmp = folder + ".tmp"  # Renamed once whole: a checkpoint is complete or absent.
@@ -604,11 +594,7 @@ def load_checkpoint(trainer, path):
         found = list_checkpoints(trainer.args.output_dir)
         require(found, f"{trainer.args.output_dir!r} holds no checkpoint to resume: start a fresh run")
         path = found[-1]
-    weights_file = "adapter_model.safetensors" if is_peft(trainer.model) else "model.safetensors"
-    files = ("trainer_state.json", "optimizer.pt", weights_file, f"rank_{trainer.rank}.pt")
-    missing = [f for f in files if not os.path.isfile(os.path.join(path, f))]
-    require(not missing, f"{os.fspath(path)!r} is no checkpoint of this run's kind: it lacks {missing}")
-    with open(os.path.join(path, "trainer_state.json")) as f:
+    with open(os.path.join(path, "trainer_state.json")) as f:  # Each file is read before any is applied.
         state = json.load(f)
     then = dict(state["config"], world_size=state["world_size"])
     now = dict(dataclasses.asdict(trainer.args), world_size=trainer.world_size)
@@ -616,15 +602,11 @@ def load_checkpoint(trainer, path):
              "gradient_accumulation_steps", "world_size", "seed")  # What the prompts and batches depend on.
     changed = {k: (then[k], now[k]) for k in shape if then[k] != now[k]}
     require(not changed, f"checkpoint {os.fspath(path)!r} has another batch shape (then, now): {changed}")
+    weights_file = "adapter_model.safetensors" if is_peft(trainer.model) else "model.safetensors"
     weights = safetensors.torch.load_file(os.path.join(path, weights_file), device=str(trainer.device))
-    ours = trainer.model.state_dict()
-    if is_peft(trainer.model):
-        ours = sys.modules["peft"].get_peft_model_state_dict(trainer.model)
-    wrong = [k for k in weights if k not in ours or weights[k].shape != ours[k].shape]
-    require(not wrong, f"{weights_file} in {os.fspath(path)!r} is another model's: {sorted(wrong)[:3]}")
     load = functools.partial(torch.load, map_location=trainer.device, weights_only=True)
     optimizer = load(os.path.join(path, "optimizer.pt"))
-    trainer.batch = load(os.path.join(path, f"rank_{trainer.rank}.pt"))  # All read: now they are applied.
+    trainer.batch = load(os.path.join(path, f"rank_{trainer.rank}.pt"))
     if is_peft(trainer.model):
         sys.modules["peft"].set_peft_model_state_dict(trainer.model, weights)
     else:
@@ -650,8 +632,6 @@ def save_final_model(trainer):  # For from_pretrained(output_dir): the model, or
 def check_dataset(dataset, name):  # A datasets.Dataset, or a list of rows {"prompt": ...}.
     if isinstance(dataset, list):
         dataset = Dataset.from_list(dataset)
-    require(isinstance(dataset, Dataset), f"{name} must be a datasets.Dataset (prompts are drawn by index) or "
-            f"a list of rows, got {type(dataset).__name__}", TypeError)
     require("prompt" in dataset.column_names and len(dataset) > 0, f"{name} must have rows and a 'prompt' "
             f"column ({len(dataset)} rows, columns {dataset.column_names})")
     return dataset

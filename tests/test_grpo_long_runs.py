@@ -546,8 +546,8 @@ def test_sigterm_to_torchrun_stops_every_rank_within_seconds_with_a_checkpoint(t
     worker.write_text(TORCHRUN_WORKER.format(flag=str(flag), tmp=str(tmp_path)))
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                 str(worker)]
-    code, seconds = run_until(child_at, None, flag, signal.SIGTERM, command=[*torchrun, "slow", str(tmp_path / "out"),
-                                                                   "new"])
+    command = [*torchrun, "slow", str(tmp_path / "out"), "new"]
+    code, seconds = run_until(child_at, None, flag, signal.SIGTERM, command=command)
     assert code != 0 and seconds < 20, (code, seconds)
     assert checkpoints(tmp_path / "out") == ["checkpoint-2"]
     ranks = sorted(n for n in os.listdir(tmp_path / "out" / "checkpoint-2") if n.startswith("rank"))
@@ -677,7 +677,7 @@ def test_report_to_names_known_trackers_that_are_installed(monkeypatch):
     """TRL's forms: a name, a list, 'all' (what is installed) or 'none'; a missing package fails at once."""
     assert GRPOConfig().report_to == [] and GRPOConfig(report_to="none").report_to == []
     with pytest.raises(ValueError,
-                       match=r"report_to names \['mlflow'\]: each must be one of \('tensorboard', 'wandb', 'trackio'\)"):
+                       match=r"report_to names \['mlflow'\]: each must be one of \('tensorboard', 'wandb'"):
         GRPOConfig(report_to="mlflow")
     find_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",
@@ -703,3 +703,28 @@ def test_model_init_kwargs_load_a_folder_in_bfloat16_where_a_float32_lora_adapte
     before = [p.detach().clone() for p in adapter]
     trainer.train()
     assert all(not torch.equal(a, b) for a, b in zip(before, adapter))
+
+
+def test_a_checkpoint_of_another_model_or_kind_is_refused_before_anything_loads(tmp_path):
+    """Weights of other names or shapes, read from the safetensors header (load_state_dict would copy the
+    tensors that fit before it raised); a folder that lacks a checkpoint's files is named with them."""
+    make_trainer(tmp_path, max_steps=2, save_steps=1).train()
+    tokenizer = make_tokenizer()
+    config = make_model(tokenizer).config.to_dict()
+    wider = LlamaForCausalLM(LlamaConfig(**{**config, "intermediate_size": 128}))
+    before = {k: v.clone() for k, v in wider.state_dict().items()}
+    with pytest.raises(ValueError, match=r"model.safetensors in .* is another model's: .*mlp"):
+        make_trainer(tmp_path, model=wider, tokenizer=tokenizer, output_dir=str(tmp_path / "c")).train(
+            resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-1"))
+    assert all(torch.equal(v, before[k]) for k, v in wider.state_dict().items())
+    with pytest.raises(ValueError, match=r"no checkpoint of this kind of run .* lacks \['trainer_state"):
+        make_trainer(tmp_path, output_dir=str(tmp_path / "d")).train(resume_from_checkpoint=str(tmp_path))
+
+
+def test_inputs_beyond_the_cores_checks_are_named_at_construction(tmp_path):
+    with pytest.raises(TypeError, match="train_dataset must be a datasets.Dataset"):
+        make_trainer(tmp_path, dataset=Dataset.from_dict({"prompt": PROMPTS}).to_iterable_dataset())
+    with pytest.raises(ValueError, match="reward_weights has 2 weights for 1 reward functions"):
+        make_trainer(tmp_path, reward_weights=[1.0, 2.0])
+    with pytest.raises(ValueError, match=r"reward_weights=\[nan\] must be finite"):
+        make_trainer(tmp_path, reward_weights=[math.nan])
