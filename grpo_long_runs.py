@@ -223,10 +223,14 @@ class GRPOTrainer(core.GRPOTrainer):
             dist.all_reduce(x)
         return x
 
-    def evaluate(self):
+    def evaluate(self):  # Not held: a signal ends an evaluation at once, the finished step checkpointed.
+        if self.signal is not None:  # It came during the update: this step's row and checkpoint come first.
+            return {}
+        self.holding = False
         start = time.perf_counter()
         metrics = super().evaluate()
         metrics["time_eval"] = time.perf_counter() - start
+        self.holding = True
         return metrics
 
     def end_of_step(self, metrics):  # Held since the update: the step's row and checkpoint come first.

@@ -433,6 +433,42 @@ def test_sigterm_stops_a_60_s_step_within_seconds_keeping_the_finished_steps(tmp
     assert_resumes_like_a_run_that_never_stopped(tmp_path)
 
 
+A_60_S_EVALUATION_AT_STEP_2 = """
+import time
+from pathlib import Path
+from datasets import Dataset
+import test_grpo_long_runs as t
+def slow_judge(completions, **kwargs):  # the held-out prompts' grader takes 60 s
+    open({flag!r}, "w").close()
+    time.sleep(60)
+    return [0.0] * len(completions)
+trainer = t.make_trainer(Path({tmp!r}), max_steps=4, save_steps=100, eval_strategy="steps", eval_steps=2,
+                         eval_dataset=Dataset.from_dict({{"prompt": ["held out", "prompts", "a", "b"]}}))
+trainer.reward_funcs = [t.short_is_good]
+def evaluate():  # the same trainer, graded by the slow judge while it evaluates
+    trainer.reward_funcs = [slow_judge]
+    return t.GRPOTrainer.evaluate(trainer)
+trainer.evaluate = evaluate
+trainer.train()
+"""
+
+
+def test_sigterm_during_a_60_s_evaluation_exits_within_seconds_with_the_finished_step(tmp_path, child_at):
+    """An evaluation is not held against a signal: SIGTERM in step 2's 60 s evaluation checkpoints step 2,
+    whose update is done, and exits with 143 within seconds (step 2's row, cut with its evaluation, is not
+    written). The checkpoint resumes to the weights of a run that never stopped."""
+    flag = tmp_path / "judging"
+    code, seconds = run_until(child_at, A_60_S_EVALUATION_AT_STEP_2.format(flag=str(flag), tmp=str(tmp_path)),
+                              flag, signal.SIGTERM)
+    assert code == 143 and seconds < 20, (code, seconds)
+    assert checkpoints(tmp_path / "out") == ["checkpoint-2"]
+    resumed, whole = (make_trainer(tmp_path, max_steps=4, save_steps=100, output_dir=str(tmp_path / d))
+                      for d in ("out", "whole"))
+    resumed.train(resume_from_checkpoint=True)
+    whole.train()
+    assert all(torch.equal(a, b) for a, b in zip(whole.model.parameters(), resumed.model.parameters()))
+
+
 SIGTERM_DURING_THE_UPDATE_OF_STEP_3 = """
 import os, signal
 from pathlib import Path
