@@ -12,8 +12,8 @@ This module adds, each by overriding a method of grpo_multistep.GRPOTrainer (no 
   log_completions, save_total_limit, and a used output_dir refused unless overwrite_output_dir or a resume;
 - the seconds of each phase, logged as time_<phase>.
 """
-import contextlib, dataclasses, importlib, importlib.util, json, math, numbers, os, shutil, signal, threading
-import time, typing
+import asyncio, contextlib, dataclasses, functools, importlib, importlib.util, inspect, json, math, numbers
+import os, shutil, signal, threading, time, typing
 from collections import defaultdict
 
 import safetensors
@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from datasets import Dataset
-from transformers import AutoModelForCausalLM, PreTrainedModel
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 import grpo_multistep as core
 from grpo_multistep import arg, require
@@ -98,16 +98,12 @@ class GRPOTrainer(core.GRPOTrainer):
         args = args if args is not None else GRPOConfig()
         require(isinstance(args, GRPOConfig), "args must be grpo_long_runs.GRPOConfig (it has the fields "
                 f"this trainer reads), got {type(args).__module__}.{type(args).__name__}", TypeError)
-        funcs = reward_funcs if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
-        require(len(funcs) > 0 and all(callable(f) for f in funcs), "reward_funcs must be a function or a "
-                f"non-empty list of functions, got {reward_funcs!r}", TypeError)
+        reward_funcs = check_reward_funcs(reward_funcs)
         for name, dataset in (("train_dataset", train_dataset), ("eval_dataset", eval_dataset)):
-            kind_ok = dataset is None or isinstance(dataset, (Dataset, list))
-            require(kind_ok, f"{name} must be a datasets.Dataset (prompts are drawn by index) or a list of "
-                    f"rows, got {type(dataset).__name__}", TypeError)
+            check_prompts(dataset, name)
         rank, world_size, device = init_distributed()
         if isinstance(model, (str, os.PathLike)):
-            model = load_model(model, args)
+            model, processing_class = load_model(model, processing_class, args)
         known = isinstance(model, PreTrainedModel) or core.is_peft(model)
         require(known, "model must be a hub id, a folder, a PreTrainedModel or a peft.PeftModel, got "
                 f"{type(model).__name__}", TypeError)
@@ -115,6 +111,9 @@ class GRPOTrainer(core.GRPOTrainer):
                          peft_config)
         self.rank, self.world_size, self.device = rank, world_size, device
         check_lm_head(self.model, self.tokenizer)
+        vocabulary = self.model.get_input_embeddings().num_embeddings
+        require(len(self.tokenizer) <= vocabulary, f"the tokenizer has {len(self.tokenizer)} tokens, the "
+                f"model's embeddings {vocabulary}: after adding tokens, model.resize_token_embeddings")
         check_rewards(self)
         self.seconds = defaultdict(float)  # Per phase, since the last step's end.
         self.holding = False  # True from a weight update to the end of its step, and in a checkpoint write.
@@ -395,7 +394,7 @@ class Tracker:
 
 
 # ---- Inputs beyond grpo_multistep's own checks ---------------------------------------------------------
-def load_model(name, args):  # from_pretrained with model_init_kwargs; a folder's code runs only if asked.
+def load_model(name, tokenizer, args):  # from_pretrained with model_init_kwargs; code runs only if asked.
     kwargs = args.model_init_kwargs or {}
     if isinstance(kwargs, str):  # JSON, from a command line.
         try:
@@ -409,7 +408,9 @@ def load_model(name, args):  # from_pretrained with model_init_kwargs; a folder'
     trust = kwargs.setdefault("trust_remote_code", False)
     require(isinstance(trust, bool), f"model_init_kwargs' trust_remote_code={trust!r} must be True or False "
             "(a string such as 'false' would be true)", TypeError)
-    return AutoModelForCausalLM.from_pretrained(os.fspath(name), **kwargs)
+    if tokenizer is None:  # The model's own tokenizer, trusted as far as the model is.
+        tokenizer = AutoTokenizer.from_pretrained(os.fspath(name), trust_remote_code=trust)
+    return AutoModelForCausalLM.from_pretrained(os.fspath(name), **kwargs), tokenizer
 
 
 def check_checkpoint(trainer, path):
@@ -428,6 +429,54 @@ def check_checkpoint(trainer, path):
     wrong = [k for k in shapes if k not in ours or list(ours[k].shape) != shapes[k]]
     require(not wrong, f"{weights_file} in {path!r} is another model's: {sorted(wrong)[:3]} differ in name "
             "or shape")
+
+
+def check_reward_funcs(reward_funcs):
+    """Functions, as TRL calls them; an async one is awaited, as TRL does. A reward model (TRL also takes a
+    sequence classifier or its hub id) is refused by name: wrap it in a function that scores the texts."""
+    funcs = reward_funcs
+    if not isinstance(funcs, (list, tuple)):
+        funcs = [funcs]
+    models = [f for f in funcs if isinstance(f, (str, torch.nn.Module))]
+    require(not models, f"reward models {models!r:.80} are not supported: pass a function that calls one",
+            TypeError)
+    require(len(funcs) > 0 and all(callable(f) for f in funcs), "reward_funcs must be a function or a "
+            f"non-empty list of functions, got {reward_funcs!r}", TypeError)
+    return [awaited(f) if inspect.iscoroutinefunction(f) else f for f in funcs]
+
+
+def awaited(function):  # An async reward function, run to its end on each call.
+    @functools.wraps(function)
+    def run(**kwargs):
+        return asyncio.run(function(**kwargs))
+    return run
+
+
+def check_prompts(dataset, name):
+    """Each prompt a non-empty string, or a list of {"role", "content"} messages, one kind per dataset; no
+    column named as an argument the reward functions already receive. Named with its row, at construction."""
+    if dataset is None:
+        return
+    require(isinstance(dataset, (Dataset, list)), f"{name} must be a datasets.Dataset (prompts are drawn by "
+            f"index) or a list of rows, got {type(dataset).__name__}", TypeError)
+    rows = dataset
+    if isinstance(dataset, Dataset):
+        rows = dataset.to_list()
+    kinds = set()
+    for i, row in enumerate(rows):
+        taken = sorted({"prompts", "completions", "completion_ids"} & set(row))
+        require(not taken, f"{name}'s columns {taken} take names that the reward functions receive already")
+        prompt = row.get("prompt")
+        text = isinstance(prompt, str) and prompt.strip() != ""
+        chat = isinstance(prompt, list) and len(prompt) > 0 and all(is_message(m) for m in prompt)
+        require(text or chat, f"{name} row {i}: its prompt {prompt!r:.80} must be a non-empty string or a "
+                "list of {'role', 'content'} messages with string values")
+        kinds.add(text)
+    require(len(kinds) <= 1, f"{name} mixes text prompts and conversations: give it one kind")
+
+
+def is_message(m):
+    return isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
 
 
 def check_rewards(trainer):  # Weights: finite, one per function; checked again at train().

@@ -764,3 +764,41 @@ def test_inputs_beyond_the_cores_checks_are_named_at_construction(tmp_path):
         make_trainer(tmp_path, reward_weights=[1.0, 2.0])
     with pytest.raises(ValueError, match=r"reward_weights=\[nan\] must be finite"):
         make_trainer(tmp_path, reward_weights=[math.nan])
+    for rows, match in [([{"prompt": "hello"}, {"prompt": None}], "train_dataset row 1: its prompt None"),
+                        ([{"prompt": "  "}], "row 0: its prompt '  ' must be a non-empty string"),
+                        ([{"prompt": "hello"}, {"prompt": [{"role": "user", "content": "hi"}]}], "mixes text"),
+                        ([{"prompt": [{"role": "user", "text": "hi"}]}], "'role', 'content'"),
+                        ([{"prompt": "hello", "completions": 1}], r"columns \['completions'\] take names")]:
+        with pytest.raises(ValueError, match=match):
+            make_trainer(tmp_path, dataset=rows)
+    with pytest.raises(TypeError, match="reward models .* are not supported"):
+        make_trainer(tmp_path, reward_funcs=torch.nn.Linear(2, 1))
+    tokenizer = make_tokenizer()
+    model = make_model(tokenizer)
+    tokenizer.add_tokens(["[NEW]"])
+    with pytest.raises(ValueError, match=r"the tokenizer has \d+ tokens, the model.s embeddings \d+: after"):
+        make_trainer(tmp_path, tokenizer=tokenizer, model=model)
+
+
+def test_the_config_checks_each_fields_type_and_a_path_or_numpy_number_still_resumes(tmp_path):
+    """A "false" string is truthy, 1.5 steps no count: refused by type. A Path output_dir and numpy numbers
+    (numpy.logspace's learning rates) become plain values, so the checkpoint's JSON holds them and resumes."""
+    for field, value in [("overwrite_output_dir", "false"), ("bf16", "false"), ("max_steps", 1.5),
+                         ("num_generations", 4.0), ("temperature", math.inf)]:
+        with pytest.raises((TypeError, ValueError), match=field):
+            GRPOConfig(**{field: value})
+    numpy = pytest.importorskip("numpy")
+    make_trainer(tmp_path, output_dir=tmp_path / "out", learning_rate=numpy.float64(1e-2),
+                 max_steps=numpy.int64(2), save_steps=1).train()
+    trainer = make_trainer(tmp_path, output_dir=tmp_path / "out", max_steps=3)
+    trainer.train(resume_from_checkpoint=True)
+    assert trainer.step == 3
+
+
+async def async_short_is_good(completion_ids, **kwargs):
+    return short_is_good(completion_ids)
+
+
+def test_an_async_reward_function_is_awaited_as_in_trl(tmp_path):
+    trainer = make_trainer(tmp_path, reward_funcs=async_short_is_good, max_steps=1).train()
+    assert trainer.step == 1 and "rewards/async_short_is_good/mean" in metrics_of(tmp_path / "out")[0]
