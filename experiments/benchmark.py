@@ -18,7 +18,8 @@ takes; then T(μ, S)/T(1, 1) = (1 − g) + (g·r_S + [μS > 1]·S·l)/(μ·S) (r
 measured, and the worth a step must have, in fresh steps, for each arm to pay per second:
 w*(μ) = 1 − g + l/(μ − 1) for a reuse step, w*_S = (S(1 − g) + g·r_S + S·l − 1)/(S − 1) for a step on a
 stale mini-batch. Beside this machine's g, the generation share g* above which each arm paid per second on
-2-digit sums (docs/addition/summary.json, with its interval): the rule "μ = k pays if g > g*" as a command.
+2-digit sums (experiments/addition_results/summary.json, with its interval): the rule "μ = k pays if g > g*"
+as a command.
 
     python -m experiments.benchmark [--bf16] [--benchmark-steps N] [train_tldr.py flags]
 """
@@ -40,7 +41,7 @@ REFERENCE = ("TRL 1.16, float32, at this benchmark's default shape, side by side
              "on 2026-11-30 (docs/performance.md#against-trl-116, experiments/trl_reference.py): 76.8 s/step "
              "and 5.53 GiB peak RSS at μ=1, β=0, where grpo_multistep took 44.7 s and 4.01 GiB. Compare only "
              "figures of one machine's side-by-side run.")
-SUMMARY = os.path.join(ROOT, "docs", "addition", "summary.json")  # the addition study's report
+SUMMARY = os.path.join(ROOT, "experiments", "addition_results", "summary.json")  # the addition study's report
 
 
 def parse_args(argv):  # the benchmark's shape first: any flag given after it wins
@@ -152,7 +153,7 @@ def phase_rows(name, records, mu, s=1):
 
 def cost_model(rows, config):
     """g, l, the decode speed and r_S from the fp32 rows at β = 0; then, per arm, T(μ, S)/T(1, 1) predicted
-    and measured and the break-even worth w*; and this machine's g against the g* of docs/addition."""
+    and measured and the break-even worth w*; and this machine's g against the addition study's g*."""
     row = {r["configuration"]: r for r in rows}
     one, four, big = (row.get(n) for n in ("μ=1 β=0 fp32", "μ=4 β=0 fp32 generation step",
                                            f"μ=1 S={S} β=0 fp32 generation step"))
@@ -186,8 +187,8 @@ def cost_model(rows, config):
 
 
 def break_even_rule(g):
-    """This machine's g beside each arm's g* from docs/addition's summary: where the arm would pay here, if a
-    completion is worth here what it was worth on 2-digit sums."""
+    """This machine's g beside each arm's g* from the addition study's summary: where the arm would pay here,
+    if a completion is worth here what it was worth on 2-digit sums."""
     if not os.path.exists(SUMMARY):
         return f"{os.path.relpath(SUMMARY)} does not exist: no g* to set beside g = {g:.3f}."
     with open(SUMMARY) as f:

@@ -1,12 +1,12 @@
 """Peak memory of GRPO optimizer steps (RSS; on a GPU also torch.cuda.max_memory_allocated), beside
-tldr_memory.py's estimate; or, with --fit, what train_tldr.py would run on a GPU with that much free memory.
+tldr/memory.py's estimate; or, with --fit, what train_tldr.py would run on a GPU with that much free memory.
 
     nice -n 10 python -m experiments.measure_memory MODEL SHAPES [--steps N] [--gradient_checkpointing]
                                                    [--bf16]
     python -m experiments.measure_memory MODEL SHAPES --fit [FREE_GIB ...]
 
 MODEL: qwen2.5-0.5b (Qwen2.5-0.5B's published config) or smollm2-135m (the config of the converted
-SmolLM2-135M-Instruct, tldr_offline.py's, in ~/.cache/grpo_multistep or $GRPO_MULTISTEP_CACHE); SHAPES: a
+SmolLM2-135M-Instruct, tldr/offline.py's, in ~/.cache/grpo_multistep or $GRPO_MULTISTEP_CACHE); SHAPES: a
 train_tldr.py preset's shapes, pr2899 or cpu. --bf16: under bf16 autocast (float32 weights), as the demo runs
 on a GPU that computes bf16 natively. --fit without figures: this GPU's free memory, in bf16 where native.
 Each measurement is a fresh process (`measure`): it imports, builds a word-level tokenizer and the prompts,
@@ -20,7 +20,7 @@ longer than max_prompt_length, so they are cut to it.
 """
 import contextlib, functools, json, os, random, subprocess, sys, tempfile, threading, time
 
-import tldr_memory
+from tldr import memory as tldr_memory
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository's: -m finds the package
 SHAPES = ("num_generations", "per_device_train_batch_size", "gradient_accumulation_steps",
@@ -31,7 +31,7 @@ GIB = 2**30
 def model_config(name):  # a dict that transformers.AutoConfig.for_model takes
     if name == "qwen2.5-0.5b":
         return dict(tldr_memory.QWEN25_05B)
-    import tldr_offline
+    from tldr import offline as tldr_offline
     with open(os.path.join(tldr_offline.smollm2_folder(), "config.json")) as f:  # converted once, if need be
         config = json.load(f)
     keep = ("model_type hidden_size intermediate_size num_hidden_layers num_attention_heads "
@@ -175,7 +175,7 @@ def main(argv):
     import argparse
     import transformers
     import grpo_long_runs as gm
-    from tldr_memory import estimate_step_memory
+    from tldr.memory import estimate_step_memory
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("model", choices=["qwen2.5-0.5b", "smollm2-135m"])

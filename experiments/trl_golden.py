@@ -1,12 +1,12 @@
 """TRL 1.16.0's GRPOTrainer as the oracle: its loss and gradients on fixed batches, written to golden.json.
 
-test_trl_parity.py (repo root) replays every configuration with grpo_multistep.py and compares, without TRL.
+tests/test_trl_parity.py replays every configuration with grpo_multistep.py and compares, without TRL.
 This script needs TRL, in a venv of its own (the project itself never imports it), run from the root:
 
     python3 -m venv /tmp/trl && . /tmp/trl/bin/activate && pip install torch==2.13.0 trl==1.16.0
     python -m experiments.trl_golden
 
-Both sides load the same files from test_data/trl_parity/: a tiny Llama (model.safetensors: built the first
+Both sides load the same files from tests/trl_parity/: a tiny Llama (model.safetensors: built the first
 time, then only read, so that a rerun changes the golden numbers only if TRL's change) and its tokenizer.
 TRL samples nothing: its _generate_single_turn (the hook after tokenization, before any forward pass) is
 replaced by fixed completions, and the rewards are fixed numbers looked up by completion. Two of TRL's random
@@ -31,7 +31,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, 
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, TrainerCallback  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-FIXTURES = os.path.join(ROOT, "test_data", "trl_parity")  # test_trl_parity.py's
+FIXTURES = os.path.join(ROOT, "tests", "trl_parity")  # tests/test_trl_parity.py's
 BOS_TOKENIZER = os.path.join(FIXTURES, "bos_tokenizer")
 torch.set_num_threads(1)  # a 32-wide model gains nothing from threads; the machine may be busy
 warnings.filterwarnings("ignore")  # TRL's advice for real runs (bf16, vLLM, ...) is noise here

@@ -1,6 +1,6 @@
 """Tests of experiments/benchmark.py: the cost model on hand-made rows with known answers, the rule against
-docs/addition's g*, and the benchmark end to end on the tiny model of test_train_tldr.py, whose fixtures
-and helpers these tests share."""
+the addition study's g*, and the benchmark end to end on the tiny model of tests/conftest.py (`tiny`), the
+one that tests/test_train_tldr.py runs the demo on."""
 
 import json
 import math
@@ -12,10 +12,9 @@ import sys
 import pytest
 
 from experiments import benchmark
-from test_train_tldr import args, metrics
-from test_train_tldr import one_thread, tiny  # noqa: F401 (fixtures: one thread, the tiny model)
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+pytestmark = pytest.mark.usefixtures("one_thread")  # Fixtures of tests/conftest.py, as is tiny.
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # The repository's root.
 
 
 def tables_of(text):
@@ -90,12 +89,12 @@ def test_the_benchmark_measures_each_arm_in_a_fresh_process_and_its_formulas_mat
     it prints is the formulas applied to the table that it writes."""
     monkeypatch.setattr(benchmark, "CONFIGURATIONS", [(1, 1, 0.0), (4, 1, 0.0), (1, 4, 0.0)])
     monkeypatch.setattr(benchmark, "SUMMARY", str(tmp_path / "no-summary.json"))
-    argv = args(tiny, tmp_path / "bench-μ={mu}", "--benchmark-steps", "1")
+    argv = tiny.args(tmp_path / "bench-μ={mu}", "--benchmark-steps", "1")
     assert benchmark.main(argv) == 0
     folder = tmp_path / "bench-μ=1,4-benchmark"
     for name, steps in (("μ=1-β=0-fp32", [1]), ("μ=4-β=0-fp32", [1, 2, 3, 4]),
                         ("μ=1-S=4-β=0-fp32", [1, 2, 3, 4])):
-        records = metrics(folder / name)
+        records = tiny.metrics(folder / name)
         assert [r["step"] for r in records] == steps  # 1 step rounded up to a whole cycle of μ·S steps
         assert records[0]["completions/mean_length"] == 8  # fixed length: no completion ends early
         assert all(r["time_generate"] == r["time_logps"] == 0 for r in records[1:])  # no generation, no π_old
@@ -140,5 +139,5 @@ def test_the_benchmark_measures_each_arm_in_a_fresh_process_and_its_formulas_mat
 def test_each_experiment_runs_as_a_module_from_the_root(name, flag):
     """python -m experiments.NAME from the repository's root: none edits sys.path to find the demo."""
     help_text = subprocess.run([sys.executable, "-m", f"experiments.{name}", "--help"],
-                               cwd=os.path.dirname(HERE), capture_output=True, text=True, timeout=120)
+                               cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert help_text.returncode == 0 and flag in help_text.stdout, help_text.stderr

@@ -281,7 +281,7 @@ def fit_gpu(args, lora_rank, model, world_size=1, free=None, as_given=False):
     free = cuda_free_bytes() if free is None else free
     needs = ", ".join(f"{name} {peak / GIB:.1f} GiB" for (name, _, _), peak in zip(options, peaks))
     compute = "bf16 autocast" if args.bf16 else "float32"
-    print(f"GPU: {free / GIB:.1f} GiB free; a step's estimated peak ({compute}; tldr_memory.py's, not "
+    print(f"GPU: {free / GIB:.1f} GiB free; a step's estimated peak ({compute}; tldr/memory.py's, not "
           f"measured on a GPU): {needs}", flush=True)
     risky = None  # the first way passed over that fits, but not with the margin: it may not fit
     for (name, option, rank), peak in zip(options, peaks):

