@@ -215,6 +215,9 @@ class GRPOTrainer(core.GRPOTrainer):
         require(failed == 0, "a reward function or the generation failed in another process (see its log)",
                 RuntimeError)
         raise_held_signal(self)  # A reward that swallowed the signal (a bare except) does not score.
+        infinite = result["rewards_per_func"].isinf().any(0).nonzero()[:, 0].tolist()  # NaN means None.
+        names = [getattr(self.reward_funcs[i], "__name__", repr(self.reward_funcs[i])) for i in infinite]
+        require(not names, f"reward functions {names} returned an infinite reward: no advantage can be taken")
         return result
 
     def all_reduce(self, x):

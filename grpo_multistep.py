@@ -209,9 +209,7 @@ class GRPOTrainer:
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self.reward_funcs = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
         self.train_dataset = check_dataset(train_dataset, "train_dataset")
-        self.eval_dataset = eval_dataset
-        if eval_dataset is not None:
-            self.eval_dataset = check_dataset(eval_dataset, "eval_dataset")
+        self.eval_dataset = check_dataset(eval_dataset, "eval_dataset", optional=True)
         self.model, self.tokenizer = load_policy(model, processing_class, peft_config, self.args, self.device)
         self.eos_token_ids = eos_token_ids(self.model, self.tokenizer)  # The tokenizer's and the model's.
         self.ref_model = reference_model(self.model, self.args.beta)  # π_ref, where β > 0 needs it.
@@ -629,7 +627,9 @@ def save_final_model(trainer):  # For from_pretrained(output_dir): the model, or
         trainer.tokenizer.save_pretrained(trainer.args.output_dir)
 
 # Inputs: loaded, and checked for what training assumes.
-def check_dataset(dataset, name):  # A datasets.Dataset, or a list of rows {"prompt": ...}.
+def check_dataset(dataset, name, optional=False):  # A datasets.Dataset, or a list of rows {"prompt": ...}.
+    if dataset is None and optional:
+        return None
     if isinstance(dataset, list):
         dataset = Dataset.from_list(dataset)
     require("prompt" in dataset.column_names and len(dataset) > 0, f"{name} must have rows and a 'prompt' "

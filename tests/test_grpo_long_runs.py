@@ -72,27 +72,23 @@ def lora(**overrides):
 EVAL_PROMPTS = ["a held out prompt", "another one", "the third", "and a fourth"]
 
 
-def first_step_gradients(trainer):
-    """Run the trainer's first optimizer step and return the gradients it applied (clipping is off)."""
-    grads = []
-    trainer.optimizer.register_step_pre_hook(
-        lambda *_: grads.extend(p.grad.clone() for p in trainer.model.parameters()))
-    trainer.batch, _ = trainer.generate_and_score(0)
-    trainer.optimizer_step(trainer.batch)
-    return grads
+# Two steps of 8 completions, 4 per prompt, in micro-batches of 4; a large rate, so that a step shows.
+SMALL = dict(per_device_train_batch_size=4, gradient_accumulation_steps=2, num_generations=4, seed=0,
+             max_prompt_length=16, max_completion_length=12, max_steps=2, learning_rate=1e-2, logging_steps=1,
+             max_grad_norm=0.0)
 
 
-def make_trainer(tmp_path, reward_funcs=short_is_good, dataset=None, tokenizer=None, model=None,
-                 peft_config=None, eval_dataset=None, **overrides):
-    tokenizer = tokenizer or make_tokenizer()
-    config = dict(output_dir=str(tmp_path / "out"), per_device_train_batch_size=4,
-                  gradient_accumulation_steps=2, num_generations=4, max_prompt_length=16,
-                  max_completion_length=12, max_steps=2,
-                  learning_rate=1e-2, logging_steps=1, max_grad_norm=0.0, seed=0)
-    config.update(overrides)
-    dataset = dataset if dataset is not None else Dataset.from_dict({"prompt": PROMPTS})
-    return GRPOTrainer(model or make_model(tokenizer), reward_funcs, GRPOConfig(**config), dataset,
-                       eval_dataset=eval_dataset, processing_class=tokenizer, peft_config=peft_config)
+def make_trainer(tmp_path, reward_funcs=short_is_good, dataset=None, tokenizer=None, model=None, **kwargs):
+    """The layer's trainer on the tiny model, writing to tmp_path/out. kwargs: GRPOConfig's fields, and the
+    trainer's eval_dataset or peft_config."""
+    if tokenizer is None:
+        tokenizer = make_tokenizer()
+    if dataset is None:
+        dataset = Dataset.from_dict({"prompt": PROMPTS})
+    extra = {name: kwargs.pop(name) for name in ("eval_dataset", "peft_config") if name in kwargs}
+    config = GRPOConfig(**{**SMALL, "output_dir": str(tmp_path / "out"), **kwargs})
+    model = model or make_model(tokenizer)
+    return GRPOTrainer(model, reward_funcs, config, dataset, processing_class=tokenizer, **extra)
 
 
 def metrics_of(out):
@@ -643,10 +639,16 @@ def test_a_fresh_run_refuses_an_output_dir_that_holds_files_and_names_them(tmp_p
 
 def test_gradient_checkpointing_gives_the_same_gradients(tmp_path):
     """With activations recomputed, per_token_logps takes its one-pass path (no shared prompt cache)."""
-    plain, checkpointed = (first_step_gradients(make_trainer(tmp_path / str(gc), num_iterations=2, beta=0.1,
-                                                             gradient_checkpointing=gc))
-                           for gc in (False, True))
-    for a, b in zip(plain, checkpointed):
+    grads = {}
+    for checkpointing in (False, True):
+        trainer = make_trainer(tmp_path / str(checkpointing), num_iterations=2, beta=0.1, max_steps=1,
+                               gradient_checkpointing=checkpointing)
+        def keep(*args, key=checkpointing, model=trainer.model):  # the gradients AdamW is about to apply
+            grads[key] = [p.grad.clone() for p in model.parameters()]
+        trainer.optimizer.register_step_pre_hook(keep)
+        trainer.train()
+        assert trainer.model.is_activation_checkpointing == checkpointing
+    for a, b in zip(grads[False], grads[True]):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
 
 
@@ -766,7 +768,7 @@ def test_inputs_beyond_the_cores_checks_are_named_at_construction(tmp_path):
         make_trainer(tmp_path, reward_weights=[math.nan])
     for rows, match in [([{"prompt": "hello"}, {"prompt": None}], "train_dataset row 1: its prompt None"),
                         ([{"prompt": "  "}], "row 0: its prompt '  ' must be a non-empty string"),
-                        ([{"prompt": "hello"}, {"prompt": [{"role": "user", "content": "hi"}]}], "mixes text"),
+                        ([{"prompt": "a"}, {"prompt": [{"role": "user", "content": "hi"}]}], "mixes text"),
                         ([{"prompt": [{"role": "user", "text": "hi"}]}], "'role', 'content'"),
                         ([{"prompt": "hello", "completions": 1}], r"columns \['completions'\] take names")]:
         with pytest.raises(ValueError, match=match):
@@ -793,6 +795,13 @@ def test_the_config_checks_each_fields_type_and_a_path_or_numpy_number_still_res
     trainer = make_trainer(tmp_path, output_dir=tmp_path / "out", max_steps=3)
     trainer.train(resume_from_checkpoint=True)
     assert trainer.step == 3
+
+
+def test_an_infinite_reward_is_named(tmp_path):
+    def unbounded(completions, **kwargs):
+        return [math.inf] * len(completions)
+    with pytest.raises(ValueError, match=r"reward functions \['unbounded'\] returned an infinite reward"):
+        make_trainer(tmp_path, reward_funcs=[short_is_good, unbounded], max_steps=1).train()
 
 
 async def async_short_is_good(completion_ids, **kwargs):
