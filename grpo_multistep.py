@@ -380,7 +380,7 @@ class GRPOConfig:
     mask_truncated_completions: bool = arg(False, "No loss on completions cut at max_completion_length.")
     scale_rewards: str = arg("group", "'group': divide advantages by the group's reward std; 'none': don't.")
     reward_weights: list[float] | None = arg(None, "One weight per reward function (None: all 1).")
-    bf16: bool = arg(False, "bfloat16 autocast for every model call (fast on GPUs, slow on most CPUs).")
+    bf16: bool = arg(False, "bfloat16 autocast for every model call (less memory; not always faster).")
     logging_steps: int = arg(10, "Log averaged metrics every this many optimizer steps.")
     eval_strategy: str = arg("no", "'steps': sample and score eval_dataset every eval_steps; 'no': never.")
     eval_steps: int | None = arg(None, "Optimizer steps between evaluations (None: logging_steps).")
@@ -402,8 +402,9 @@ def check_config(c):  # Values that would fail deep inside torch, or silently me
     require(c.temperature > 0, f"GRPOConfig.temperature={c.temperature!r} must be > 0")
     require(c.num_generations >= 2, f"GRPOConfig.num_generations={c.num_generations!r} must be >= 2: a group "
             "of one has no baseline")
-    require(0 < c.epsilon < 1 and (c.epsilon_high or 1) > 0, f"GRPOConfig.epsilon={c.epsilon!r} must lie in "
-            f"(0, 1), epsilon_high={c.epsilon_high!r} be > 0")
+    high_ok = c.epsilon_high is None or c.epsilon_high > 0  # (0 would silently read as "unset": epsilon.)
+    require(0 < c.epsilon < 1 and high_ok, f"GRPOConfig.epsilon={c.epsilon!r} must lie in (0, 1), "
+            f"epsilon_high={c.epsilon_high!r} be None or > 0")
     choices = {"loss_type": ("grpo", "bnpo", "dapo", "dr_grpo"), "scale_rewards": ("group", "none"),
                "lr_scheduler_type": ("linear", "constant"), "eval_strategy": ("no", "steps"),
                "save_strategy": ("no", "steps"), "importance_sampling_level": ("token", "sequence")}
@@ -608,7 +609,7 @@ def load_checkpoint(trainer, path):
     if is_peft(trainer.model):
         sys.modules["peft"].set_peft_model_state_dict(trainer.model, weights)
     else:
-        trainer.model.load_state_dict(weights, strict=False)  # Tied weights are saved once.
+        trainer.model.load_state_dict(weights, strict=False)  # Tied weights are saved once, so not strict.
     trainer.optimizer.load_state_dict(optimizer)
     trainer.step = state["step"]
     schedule(trainer, trainer.step)

@@ -801,6 +801,7 @@ def test_a_model_folder_or_a_checkpoint_that_asks_to_run_its_code_runs_nothing(t
     ("num_iterations", 0, "num_iterations=0"),
     ("epsilon", 0.0, "epsilon=0.0"),
     ("epsilon", 1.5, "epsilon=1.5"),
+    ("epsilon_high", 0.0, "epsilon_high=0.0"),
     ("temperature", 0.0, "temperature=0.0"),
     ("beta", -0.1, "beta=-0.1"),
     ("max_completion_length", 0, "max_completion_length=0"),
