@@ -343,22 +343,31 @@ def init_distributed():
 
 
 # ---- output_dir: a fresh run never mixes its files with another run's ----------------------------------
-def prepare_output_dir(args, resume_from_checkpoint):
-    """A fresh run refuses an output_dir that holds files, unless overwrite_output_dir, which deletes the
-    earlier run's checkpoints, metrics, event files and final model (no other file)."""
+def prepare_output_dir(args, resume):
+    """One history per folder. A fresh run refuses an output_dir that holds files, unless
+    overwrite_output_dir, which deletes the earlier run's checkpoints, metrics, event files and final model (no other file). A
+    resume writes into its checkpoint's own folder, or an empty one; that folder's checkpoints after it
+    belong to the timeline the resume leaves, and are set aside as checkpoint-<n>.abandoned."""
     out = args.output_dir
     os.makedirs(out, exist_ok=True)
     names = sorted(os.listdir(out))
-    require(not names or resume_from_checkpoint or args.overwrite_output_dir, f"output_dir {out!r} holds "
-            f"{', '.join(names[:5])}: choose another output_dir, resume the run there "
+    own = bool(resume) and os.path.samefile(os.path.dirname(os.path.abspath(resume)), out)
+    require(not names or own or args.overwrite_output_dir, f"output_dir {out!r} holds "
+            f"{', '.join(names[:5])}: choose another output_dir, resume one of its checkpoints "
             "(resume_from_checkpoint=True), or set overwrite_output_dir=True")
+    resumed_step = math.inf
+    if own and os.path.basename(os.path.abspath(resume)).removeprefix("checkpoint-").isdecimal():
+        resumed_step = int(os.path.basename(os.path.abspath(resume)).removeprefix("checkpoint-"))
     for name in names:
         path = os.path.join(out, name)
         number = name.removeprefix("checkpoint-").removesuffix(".tmp")
-        if name.startswith("checkpoint-") and number.isdecimal() and os.path.isdir(path):
-            if name.endswith(".tmp") or not resume_from_checkpoint:  # A resume keeps the complete ones.
-                shutil.rmtree(path)
-        elif name in RUN_FILES and not resume_from_checkpoint:
+        checkpoint = name.startswith("checkpoint-") and number.isdecimal() and os.path.isdir(path)
+        if checkpoint and (name.endswith(".tmp") or not own):
+            shutil.rmtree(path)
+        elif checkpoint and int(number) > resumed_step:
+            os.replace(path, path + ".abandoned")
+            print(f"{path} is of the run before this resume: set aside as {name}.abandoned", flush=True)
+        elif name in RUN_FILES and not own:
             if os.path.isdir(path):
                 shutil.rmtree(path)
             else:
@@ -419,6 +428,8 @@ def load_model(name, tokenizer, args):  # from_pretrained with model_init_kwargs
 def check_checkpoint(trainer, path):
     """Before anything loads: every file a resume reads is there, and the weights have this model's names and
     shapes (read from the safetensors header alone): load_state_dict would copy those that fit, then raise."""
+    require(not path.rstrip(os.sep).endswith(".tmp"), f"{path!r} is an unfinished checkpoint (one is renamed "
+            "only once whole): resume from a complete one")
     weights_file = "model.safetensors"
     ours = trainer.model.state_dict()
     if core.is_peft(trainer.model):

@@ -811,3 +811,37 @@ async def async_short_is_good(completion_ids, **kwargs):
 def test_an_async_reward_function_is_awaited_as_in_trl(tmp_path):
     trainer = make_trainer(tmp_path, reward_funcs=async_short_is_good, max_steps=1).train()
     assert trainer.step == 1 and "rewards/async_short_is_good/mean" in metrics_of(tmp_path / "out")[0]
+
+
+def test_a_resume_starts_a_new_timeline_and_sets_the_old_ones_later_checkpoints_aside(tmp_path):
+    """Resume from checkpoint-2 of a run that reached checkpoint-4, with another rate, as checkpoints.md
+    allows: checkpoint-3 and 4 belong to the abandoned timeline. They are set aside (never picked by
+    resume=True, never counted by save_total_limit), and the new run's checkpoint-3 is its own."""
+    make_trainer(tmp_path, max_steps=4, save_steps=1).train()
+    out = tmp_path / "out"
+    trainer = make_trainer(tmp_path, max_steps=4, save_steps=1, learning_rate=5e-3, save_total_limit=2)
+    def fail_after_step_3(row):
+        GRPOTrainer.log(trainer, row)
+        if row["step"] == 3:
+            raise KeyboardInterrupt
+    trainer.log = fail_after_step_3
+    with pytest.raises(KeyboardInterrupt):
+        trainer.train(resume_from_checkpoint=str(out / "checkpoint-2"))
+    assert checkpoints(out) == ["checkpoint-2", "checkpoint-3"]
+    assert {"checkpoint-3.abandoned", "checkpoint-4.abandoned"} <= set(os.listdir(out))
+    resumed = make_trainer(tmp_path, max_steps=4, save_steps=1, learning_rate=5e-3)
+    resumed.train(resume_from_checkpoint=True)  # the new timeline's checkpoint-3, not the old 4
+    assert [r["step"] for r in metrics_of(out)] == [1, 2, 3, 4]
+
+
+def test_a_resume_writes_only_into_its_checkpoints_own_folder_or_an_empty_one(tmp_path):
+    make_trainer(tmp_path, max_steps=2, save_steps=1).train()
+    make_trainer(tmp_path, max_steps=1, output_dir=str(tmp_path / "other")).train()
+    with pytest.raises(ValueError, match="output_dir .*other.* holds"):
+        make_trainer(tmp_path, max_steps=2, output_dir=str(tmp_path / "other")).train(
+            resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-1"))
+    os.rename(tmp_path / "out" / "checkpoint-2", tmp_path / "out" / "checkpoint-2.tmp")
+    with pytest.raises(ValueError, match="is an unfinished checkpoint"):
+        unfinished = str(tmp_path / "out" / "checkpoint-2.tmp")
+        make_trainer(tmp_path, max_steps=2).train(resume_from_checkpoint=unfinished)
+    assert (tmp_path / "out" / "checkpoint-2.tmp").exists()  # kept: the user named it
