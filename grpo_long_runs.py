@@ -5,11 +5,13 @@ works alone. Import from here instead of there and nothing else changes:
 
 This module adds, each by overriding a method of grpo_multistep.GRPOTrainer (no hook of its own):
 - a failure (an exception, Ctrl-C, SIGTERM at preemption) keeps the finished steps: a checkpoint of the last
-  finished step is written at once, and only a weight update or a checkpoint write holds a signal back;
+  finished step is written at once; a weight update holds a signal to its step's end, an evaluation never;
 - torchrun: N processes make the same updates as one;
 - a faster log-prob pass (the LM head in chunks, a prompt's pass shared by its G completions);
-- the config's types checked, report_to's trackers, model_init_kwargs, gradient_checkpointing,
-  log_completions, save_total_limit, and a used output_dir refused unless overwrite_output_dir or a resume;
+- one history per output_dir: a used one is refused unless overwrite_output_dir or a resume of its own, and
+  a resume sets the abandoned timeline's later checkpoints aside;
+- inputs checked at construction: the config's types, prompts, reward functions, a checkpoint's files;
+- report_to's trackers, model_init_kwargs, gradient_checkpointing, log_completions, save_total_limit;
 - the seconds of each phase, logged as time_<phase>.
 """
 import asyncio, contextlib, dataclasses, functools, importlib, importlib.util, inspect, json, math, numbers
