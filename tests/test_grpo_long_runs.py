@@ -320,15 +320,20 @@ def test_two_processes_make_the_same_updates_as_one(tmp_path, monkeypatch):
             torch.testing.assert_close(a, b, rtol=0, atol=1e-4, msg=f"{run}")
 
 
+def interrupted_after_step(step, trainer):
+    """The trainer, with Ctrl-C pressed right after `step`'s row is logged."""
+    def log(row):
+        GRPOTrainer.log(trainer, row)
+        if row["step"] == step:
+            raise KeyboardInterrupt
+    trainer.log = log
+    return trainer
+
+
 def test_ctrl_c_writes_a_checkpoint_that_resumes_bit_identically(tmp_path):
     """Ctrl-C after step 3's row, inside a μ = 2 generation batch: checkpoint-3 holds the batch, and the run
     resumed from it ends as a run that never stopped."""
-    trainer = make_trainer(tmp_path, max_steps=4, save_steps=100, num_iterations=2)
-    def log(row):
-        GRPOTrainer.log(trainer, row)
-        if row["step"] == 3:
-            raise KeyboardInterrupt
-    trainer.log = log
+    trainer = interrupted_after_step(3, make_trainer(tmp_path, max_steps=4, save_steps=100, num_iterations=2))
     with pytest.raises(KeyboardInterrupt):
         trainer.train()
     assert checkpoints(tmp_path / "out") == ["checkpoint-3"]
@@ -820,13 +825,8 @@ def test_a_resume_starts_a_new_timeline_and_sets_the_old_ones_later_checkpoints_
     make_trainer(tmp_path, max_steps=4, save_steps=1).train()
     out = tmp_path / "out"
     trainer = make_trainer(tmp_path, max_steps=4, save_steps=1, learning_rate=5e-3, save_total_limit=2)
-    def fail_after_step_3(row):
-        GRPOTrainer.log(trainer, row)
-        if row["step"] == 3:
-            raise KeyboardInterrupt
-    trainer.log = fail_after_step_3
     with pytest.raises(KeyboardInterrupt):
-        trainer.train(resume_from_checkpoint=str(out / "checkpoint-2"))
+        interrupted_after_step(3, trainer).train(resume_from_checkpoint=str(out / "checkpoint-2"))
     assert checkpoints(out) == ["checkpoint-2", "checkpoint-3"]
     assert {"checkpoint-3.abandoned", "checkpoint-4.abandoned"} <= set(os.listdir(out))
     resumed = make_trainer(tmp_path, max_steps=4, save_steps=1, learning_rate=5e-3)
