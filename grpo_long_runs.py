@@ -11,7 +11,8 @@ This module adds, each by overriding a method of grpo_multistep.GRPOTrainer (no 
 - one history per output_dir: a used one is refused unless overwrite_output_dir or a resume of its own, and
   a resume sets the abandoned timeline's later checkpoints aside;
 - inputs checked at construction: the config's types, prompts, reward functions, a checkpoint's files;
-- report_to's trackers, model_init_kwargs, gradient_checkpointing, log_completions, save_total_limit;
+- report_to's trackers, model_init_kwargs, bf16, gradient_checkpointing, log_completions, save_total_limit,
+  and resume_from_checkpoint=True (the newest complete checkpoint);
 - the seconds of each phase, logged as time_<phase>.
 """
 import asyncio, contextlib, dataclasses, functools, importlib, importlib.util, inspect, json, math, numbers
@@ -40,6 +41,7 @@ class GRPOConfig(core.GRPOConfig):
     gradient_checkpointing: bool = arg(False, "Recompute activations in backward: less memory, more time.")
     log_completions: bool = arg(False, "Print a few prompts, completions and rewards at each log.")
     save_total_limit: int | None = arg(None, "Keep at most this many checkpoints (None: all).")
+    bf16: bool = arg(False, "bfloat16 autocast for every model call (less memory; not always faster).")
 
     def __post_init__(self):
         check_types(self)
@@ -138,10 +140,17 @@ class GRPOTrainer(core.GRPOTrainer):
         require(args.beta == 0 or self.ref_model is not None, "beta was 0 when the trainer was made, so it "
                 "has no reference model: make a new trainer")
         self.model.activation_checkpointing_disable()  # As the config says now.
-        if args.gradient_checkpointing:
+        self.model.eval()  # No dropout: the same weights must give the same log-probs (π_old = π_θ).
+        if args.gradient_checkpointing:  # It works in train mode only: dropout is turned off by hand.
             self.model.activation_checkpointing_enable({"use_reentrant": False})
+            self.model.train()
+            for m in self.model.modules():
+                if isinstance(m, torch.nn.Dropout):
+                    m.p = 0.0
+                if isinstance(getattr(m, "attention_dropout", None), float):
+                    m.attention_dropout = 0.0
         if resume_from_checkpoint is True:  # The newest complete checkpoint in output_dir.
-            found = core.list_checkpoints(args.output_dir)
+            found = list_checkpoints(args.output_dir)
             require(found, f"{args.output_dir!r} holds no checkpoint to resume: start a fresh run")
             resume_from_checkpoint = found[-1]
         if resume_from_checkpoint:
@@ -174,7 +183,7 @@ class GRPOTrainer(core.GRPOTrainer):
 
     def logps(self, model, mb):  # The faster pass below, timed as "forward" where it trains.
         start = lap(self)
-        with core.autocast(self):
+        with autocast(self):
             result = per_token_logps(model, mb["prompt_ids"], mb["prompt_mask"], mb["completion_ids"],
                                      mb["completion_mask"], self.args.temperature)
         if torch.is_grad_enabled():
@@ -208,7 +217,8 @@ class GRPOTrainer(core.GRPOTrainer):
         error = None
         result = None
         try:
-            result = super().sample_and_score(dataset, indices)
+            with autocast(self):  # The generation (and the reward functions) under bf16 autocast.
+                result = super().sample_and_score(dataset, indices)
         except Exception as e:
             error = e
         failed = self.all_reduce(torch.tensor(float(error is not None), device=self.device))
@@ -264,7 +274,7 @@ class GRPOTrainer(core.GRPOTrainer):
         super().save_checkpoint()
         limit = self.args.save_total_limit
         if self.rank == 0 and limit is not None:
-            for old in core.list_checkpoints(self.args.output_dir)[:-limit]:
+            for old in list_checkpoints(self.args.output_dir)[:-limit]:
                 shutil.rmtree(old)
         self.holding = held
         raise_held_signal(self)
@@ -277,6 +287,10 @@ def lap(trainer):  # Now, with a GPU's queued work done: time measures the work,
     if trainer.device.type == "cuda":
         torch.cuda.synchronize(trainer.device)
     return time.perf_counter()
+
+
+def autocast(trainer):  # bf16: the model calls run in bfloat16; the loss and AdamW stay in float32.
+    return torch.autocast(trainer.device.type, dtype=torch.bfloat16, enabled=trainer.args.bf16)
 
 
 # ---- A failure never loses finished steps --------------------------------------------------------------
@@ -347,8 +361,8 @@ def init_distributed():
 # ---- output_dir: a fresh run never mixes its files with another run's ----------------------------------
 def prepare_output_dir(args, resume):
     """One history per folder. A fresh run refuses an output_dir that holds files, unless
-    overwrite_output_dir, which deletes the earlier run's checkpoints, metrics, event files and final model (no other file). A
-    resume writes into its checkpoint's own folder, or an empty one; that folder's checkpoints after it
+    overwrite_output_dir, which deletes the earlier run's checkpoints, metrics, event files and final model
+    (no other file). A resume writes into its checkpoint's own folder, or an empty one; that folder's checkpoints after it
     belong to the timeline the resume leaves, and are set aside as checkpoint-<n>.abandoned."""
     out = args.output_dir
     os.makedirs(out, exist_ok=True)
@@ -425,6 +439,12 @@ def load_model(name, tokenizer, args):  # from_pretrained with model_init_kwargs
     if tokenizer is None:  # The model's own tokenizer, trusted as far as the model is.
         tokenizer = AutoTokenizer.from_pretrained(os.fspath(name), trust_remote_code=trust)
     return AutoModelForCausalLM.from_pretrained(os.fspath(name), **kwargs), tokenizer
+
+
+def list_checkpoints(output_dir):  # The complete ones, oldest first (not checkpoint-<step>.tmp).
+    names = os.listdir(output_dir) if os.path.isdir(output_dir) else []
+    steps = [int(n[11:]) for n in names if n.startswith("checkpoint-") and n[11:].isdecimal()]
+    return [os.path.join(output_dir, f"checkpoint-{step}") for step in sorted(steps)]
 
 
 def check_checkpoint(trainer, path):

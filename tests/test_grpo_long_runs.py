@@ -98,7 +98,7 @@ def metrics_of(out):
 
 
 def checkpoints(out):
-    return [os.path.basename(c) for c in gm.list_checkpoints(str(out))]
+    return [os.path.basename(c) for c in lr.list_checkpoints(str(out))]
 
 
 PROMPTS = ["the cat", "a dog", "hello", "tl;dr:", "the park", "world", "it was", "on the mat"]
@@ -750,7 +750,8 @@ def test_model_init_kwargs_load_a_folder_in_bfloat16_where_a_float32_lora_adapte
 
 def test_a_checkpoint_of_another_model_or_kind_is_refused_before_anything_loads(tmp_path):
     """Weights of other names or shapes, read from the safetensors header (load_state_dict would copy the
-    tensors that fit before it raised); a folder that lacks a checkpoint's files is named with them."""
+    tensors that fit before it raised); a folder that lacks a checkpoint's files is named with them;
+    resume_from_checkpoint=True where output_dir has none."""
     make_trainer(tmp_path, max_steps=2, save_steps=1).train()
     tokenizer = make_tokenizer()
     config = make_model(tokenizer).config.to_dict()
@@ -762,6 +763,8 @@ def test_a_checkpoint_of_another_model_or_kind_is_refused_before_anything_loads(
     assert all(torch.equal(v, before[k]) for k, v in wider.state_dict().items())
     with pytest.raises(ValueError, match=r"no checkpoint of this kind of run .* lacks \['trainer_state"):
         make_trainer(tmp_path, output_dir=str(tmp_path / "d")).train(resume_from_checkpoint=str(tmp_path))
+    with pytest.raises(ValueError, match="holds no checkpoint"):
+        make_trainer(tmp_path, output_dir=str(tmp_path / "e")).train(resume_from_checkpoint=True)
 
 
 def test_inputs_beyond_the_cores_checks_are_named_at_construction(tmp_path):

@@ -58,7 +58,7 @@ def test_sweep_gives_each_mu_a_folder_and_one_chart(tiny, tmp_path):
         run = tmp_path / "sweep" / f"mu={mu}"
         config, _ = train_tldr.parse_args(tiny.args(run, "--num_iterations", str(mu)))
         assert [p["generated"] for p in train_tldr.run_points(config)] == [True, mu == 1]  # μ=2: a reuse
-        assert not train_tldr.gm.list_checkpoints(run)  # a finished run of a sweep keeps none
+        assert not train_tldr.list_checkpoints(run)  # a finished run of a sweep keeps none
     assert is_png(tmp_path / "sweep" / "mu=1,2" / "rewards.png")
 
 
