@@ -15,10 +15,10 @@ This module adds, each by overriding a method of grpo_multistep.GRPOTrainer (no 
 - the seconds of each phase, logged as time_<phase>.
 """
 import asyncio, contextlib, dataclasses, functools, importlib, importlib.util, inspect, json, math, numbers
-import os, shutil, signal, threading, time, typing
+import os, shutil, signal, threading, time, typing, warnings
 from collections import defaultdict
 
-import safetensors
+import huggingface_hub, safetensors
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -106,14 +106,21 @@ class GRPOTrainer(core.GRPOTrainer):
         rank, world_size, device = init_distributed()
         if isinstance(model, (str, os.PathLike)):
             model, processing_class = load_model(model, processing_class, args)
+        elif args.model_init_kwargs is not None:  # As TRL: they are from_pretrained's, for a model it loads.
+            warnings.warn("GRPOConfig.model_init_kwargs are ignored: the model is loaded already (pass its "
+                          "hub id or folder for them to apply)", stacklevel=2)
         known = isinstance(model, PreTrainedModel) or core.is_peft(model)
         require(known, "model must be a hub id, a folder, a PreTrainedModel or a peft.PeftModel, got "
                 f"{type(model).__name__}", TypeError)
+        trains = peft_config is not None or any(p.requires_grad for p in model.parameters())
+        require(trains or not core.is_peft(model), "the PeftModel has no trainable weights (peft loads an "
+                "adapter frozen unless asked): load it with PeftModel.from_pretrained(base, folder, "
+                "is_trainable=True)")
         super().__init__(model, reward_funcs, args, train_dataset, eval_dataset, processing_class,
                          peft_config)
         self.rank, self.world_size, self.device = rank, world_size, device
         check_lm_head(self.model, self.tokenizer)
-        vocabulary = self.model.get_input_embeddings().num_embeddings
+        vocabulary = self.model.get_input_embeddings().weight.size(0)  # (A LoRA one has no num_embeddings.)
         require(len(self.tokenizer) <= vocabulary, f"the tokenizer has {len(self.tokenizer)} tokens, the "
                 f"model's embeddings {vocabulary}: after adding tokens, model.resize_token_embeddings")
         check_rewards(self)
@@ -409,6 +416,13 @@ class Tracker:
 
 # ---- Inputs beyond grpo_multistep's own checks ---------------------------------------------------------
 def load_model(name, tokenizer, args):  # from_pretrained with model_init_kwargs; code runs only if asked.
+    path = os.fspath(name)
+    local = not isinstance(name, str) or os.path.exists(path) or not is_hub_id(path)
+    kind = "does not exist"  # Else transformers would call it a malformed hub id.
+    if os.path.isfile(path):
+        kind = "is a file: give the folder that the model was saved to"
+    require(not local or os.path.isdir(path), f"model {path!r} is a local path, not a hub id, and no folder: "
+            f"{os.path.abspath(path)} {kind}")
     kwargs = args.model_init_kwargs or {}
     if isinstance(kwargs, str):  # JSON, from a command line.
         try:
@@ -423,8 +437,16 @@ def load_model(name, tokenizer, args):  # from_pretrained with model_init_kwargs
     require(isinstance(trust, bool), f"model_init_kwargs' trust_remote_code={trust!r} must be True or False "
             "(a string such as 'false' would be true)", TypeError)
     if tokenizer is None:  # The model's own tokenizer, trusted as far as the model is.
-        tokenizer = AutoTokenizer.from_pretrained(os.fspath(name), trust_remote_code=trust)
-    return AutoModelForCausalLM.from_pretrained(os.fspath(name), **kwargs), tokenizer
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust)
+    return AutoModelForCausalLM.from_pretrained(path, **kwargs), tokenizer
+
+
+def is_hub_id(name):  # "org/name": what from_pretrained looks up on the hub when no such folder exists.
+    try:
+        huggingface_hub.utils.validate_repo_id(name)
+    except huggingface_hub.utils.HFValidationError:
+        return False
+    return True
 
 
 def check_checkpoint(trainer, path):
