@@ -69,6 +69,7 @@ def check_types(config):
         require(finite, f"GRPOConfig.{f.name}={value!r} must be finite")
         setattr(config, f.name, value)
     require(config.seed < 2**63, f"GRPOConfig.seed={config.seed} must be < 2**63")
+    require(config.output_dir != "", "GRPOConfig.output_dir='' names no folder: give one ('.' for this one)")
     require(config.save_total_limit is None or config.save_total_limit >= 1,
             f"GRPOConfig.save_total_limit={config.save_total_limit} must be >= 1")
 
@@ -112,6 +113,8 @@ class GRPOTrainer(core.GRPOTrainer):
         known = isinstance(model, PreTrainedModel) or core.is_peft(model)
         require(known, "model must be a hub id, a folder, a PreTrainedModel or a peft.PeftModel, got "
                 f"{type(model).__name__}", TypeError)
+        require(model.get_output_embeddings() is not None, f"{type(model).__name__} has no LM head to "
+                "generate with: load the model with AutoModelForCausalLM", TypeError)
         trains = peft_config is not None or any(p.requires_grad for p in model.parameters())
         require(trains or not core.is_peft(model), "the PeftModel has no trainable weights (peft loads an "
                 "adapter frozen unless asked): load it with PeftModel.from_pretrained(base, folder, "
@@ -470,8 +473,8 @@ def check_checkpoint(trainer, path):
 
 
 def check_reward_funcs(reward_funcs):
-    """Functions, as TRL calls them; an async one is awaited, as TRL does. A reward model (TRL also takes a
-    sequence classifier or its hub id) is refused by name: wrap it in a function that scores the texts."""
+    """Functions, as TRL calls them, each checked(). A reward model (TRL also takes a sequence classifier or
+    its hub id) is refused by name: wrap it in a function that scores the texts."""
     funcs = reward_funcs
     if not isinstance(funcs, (list, tuple)):
         funcs = [funcs]
@@ -480,14 +483,22 @@ def check_reward_funcs(reward_funcs):
             TypeError)
     require(len(funcs) > 0 and all(callable(f) for f in funcs), "reward_funcs must be a function or a "
             f"non-empty list of functions, got {reward_funcs!r}", TypeError)
-    return [awaited(f) if inspect.iscoroutinefunction(f) else f for f in funcs]
+    return [checked(f) for f in funcs]
 
 
-def awaited(function):  # An async reward function, run to its end on each call.
+def checked(function):
+    """The reward function, awaited if async (as TRL does), its values refused where they come in no order of
+    the completions: a dict or a set would give its keys, a string its characters."""
     @functools.wraps(function)
-    def run(**kwargs):
-        return asyncio.run(function(**kwargs))
-    return run
+    def call(**kwargs):
+        values = function(**kwargs)
+        if inspect.iscoroutine(values):
+            values = asyncio.run(values)
+        require(not isinstance(values, (dict, set, str)), f"it returned a {type(values).__name__}: return a "
+                "list of one number (or None) per completion, in their order", TypeError)
+        return values
+    call.__name__ = getattr(function, "__name__", type(function).__name__)  # A callable object's metrics.
+    return call
 
 
 def check_prompts(dataset, name):

@@ -896,3 +896,20 @@ def test_a_lora_adapter_on_tied_embeddings_merges_into_the_trained_policy_by_ref
     scope["merged"].save_pretrained(tmp_path / "merged")
     merged = LlamaForCausalLM.from_pretrained(tmp_path / "merged")
     torch.testing.assert_close(merged(input_ids=ids).logits, trained, rtol=0, atol=1e-5)
+
+
+def test_a_model_without_an_lm_head_is_named_at_construction(tmp_path):
+    with pytest.raises(TypeError, match="LlamaModel has no LM head .* AutoModelForCausalLM"):
+        make_trainer(tmp_path, model=make_model(make_tokenizer()).model)
+
+
+def test_an_empty_output_dir_is_named_when_the_config_is_made():
+    with pytest.raises(ValueError, match="output_dir='' names no folder"):
+        GRPOConfig(output_dir="")
+
+
+def test_a_reward_function_returning_a_dict_is_refused_not_read_by_its_keys(tmp_path):
+    def by_index(completions, **kwargs):
+        return {i: 1.0 for i in range(len(completions))}  # iterated, a dict gives 0, 1, 2...: its keys
+    with pytest.raises(RuntimeError, match="'by_index' failed: TypeError: it returned a dict: return a list"):
+        make_trainer(tmp_path, reward_funcs=by_index, max_steps=1).train()
