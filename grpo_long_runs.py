@@ -479,8 +479,8 @@ def check_reward_funcs(reward_funcs):
     if not isinstance(funcs, (list, tuple)):
         funcs = [funcs]
     models = [f for f in funcs if isinstance(f, (str, torch.nn.Module))]
-    require(not models, f"reward models {models!r:.80} are not supported: pass a function that calls one",
-            TypeError)
+    names = [f if isinstance(f, str) else type(f).__name__ for f in models]  # A model's repr is its layers.
+    require(not models, f"reward models {names} are not supported: pass a function that calls one", TypeError)
     require(len(funcs) > 0 and all(callable(f) for f in funcs), "reward_funcs must be a function or a "
             f"non-empty list of functions, got {reward_funcs!r}", TypeError)
     return [checked(f) for f in funcs]

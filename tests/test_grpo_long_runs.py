@@ -20,7 +20,8 @@ import pytest
 import torch
 from datasets import Dataset
 from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import (LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassification,
+                          PreTrainedTokenizerFast)
 
 import grpo_multistep as gm
 import grpo_long_runs as lr
@@ -848,7 +849,7 @@ def test_a_resume_writes_only_into_its_checkpoints_own_folder_or_an_empty_one(tm
     assert (tmp_path / "out" / "checkpoint-2.tmp").exists()  # kept: the user named it
 
 
-# ---- Inputs: a model loaded already, a frozen adapter, a missing folder, LoRA on tied embeddings ----------
+# ---- Inputs: models (loaded already, a frozen adapter, a missing folder, tied LoRA, no head), rewards -----
 def test_model_init_kwargs_given_with_a_loaded_model_warn_that_they_are_ignored_as_in_trl(tmp_path):
     with pytest.warns(UserWarning, match="model_init_kwargs are ignored: the model is loaded already"):
         make_trainer(tmp_path, model_init_kwargs={"dtype": "bfloat16"})
@@ -913,3 +914,9 @@ def test_a_reward_function_returning_a_dict_is_refused_not_read_by_its_keys(tmp_
         return {i: 1.0 for i in range(len(completions))}  # iterated, a dict gives 0, 1, 2...: its keys
     with pytest.raises(RuntimeError, match="'by_index' failed: TypeError: it returned a dict: return a list"):
         make_trainer(tmp_path, reward_funcs=by_index, max_steps=1).train()
+
+
+def test_a_reward_model_is_refused_by_its_class_name_not_its_repr(tmp_path):
+    classifier = LlamaForSequenceClassification(make_model(make_tokenizer()).config)
+    with pytest.raises(TypeError, match=r"^reward models \['LlamaForSequenceClassification'\] are not sup"):
+        make_trainer(tmp_path, reward_funcs=classifier)
