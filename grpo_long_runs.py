@@ -16,10 +16,10 @@ This module adds, each by overriding a method of grpo_multistep.GRPOTrainer (no 
 - the seconds of each phase, logged as time_<phase>.
 """
 import asyncio, contextlib, dataclasses, functools, importlib, importlib.util, inspect, json, math, numbers
-import os, shutil, signal, threading, time, typing
+import os, shutil, signal, threading, time, typing, warnings
 from collections import defaultdict
 
-import safetensors
+import huggingface_hub, safetensors
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -71,6 +71,7 @@ def check_types(config):
         require(finite, f"GRPOConfig.{f.name}={value!r} must be finite")
         setattr(config, f.name, value)
     require(config.seed < 2**63, f"GRPOConfig.seed={config.seed} must be < 2**63")
+    require(config.output_dir != "", "GRPOConfig.output_dir='' names no folder: give one ('.' for this one)")
     require(config.save_total_limit is None or config.save_total_limit >= 1,
             f"GRPOConfig.save_total_limit={config.save_total_limit} must be >= 1")
 
@@ -108,14 +109,23 @@ class GRPOTrainer(core.GRPOTrainer):
         rank, world_size, device = init_distributed()
         if isinstance(model, (str, os.PathLike)):
             model, processing_class = load_model(model, processing_class, args)
+        elif args.model_init_kwargs is not None:  # As TRL: they are from_pretrained's, for a model it loads.
+            warnings.warn("GRPOConfig.model_init_kwargs are ignored: the model is loaded already (pass its "
+                          "hub id or folder for them to apply)", stacklevel=2)
         known = isinstance(model, PreTrainedModel) or core.is_peft(model)
         require(known, "model must be a hub id, a folder, a PreTrainedModel or a peft.PeftModel, got "
                 f"{type(model).__name__}", TypeError)
+        require(model.get_output_embeddings() is not None, f"{type(model).__name__} has no LM head to "
+                "generate with: load the model with AutoModelForCausalLM", TypeError)
+        trains = peft_config is not None or any(p.requires_grad for p in model.parameters())
+        require(trains or not core.is_peft(model), "the PeftModel has no trainable weights (peft loads an "
+                "adapter frozen unless asked): load it with PeftModel.from_pretrained(base, folder, "
+                "is_trainable=True)")
         super().__init__(model, reward_funcs, args, train_dataset, eval_dataset, processing_class,
                          peft_config)
         self.rank, self.world_size, self.device = rank, world_size, device
         check_lm_head(self.model, self.tokenizer)
-        vocabulary = self.model.get_input_embeddings().num_embeddings
+        vocabulary = self.model.get_input_embeddings().weight.size(0)  # (A LoRA one has no num_embeddings.)
         require(len(self.tokenizer) <= vocabulary, f"the tokenizer has {len(self.tokenizer)} tokens, the "
                 f"model's embeddings {vocabulary}: after adding tokens, model.resize_token_embeddings")
         check_rewards(self)
@@ -423,6 +433,13 @@ class Tracker:
 
 # ---- Inputs beyond grpo_multistep's own checks ---------------------------------------------------------
 def load_model(name, tokenizer, args):  # from_pretrained with model_init_kwargs; code runs only if asked.
+    path = os.fspath(name)
+    local = not isinstance(name, str) or os.path.exists(path) or not is_hub_id(path)
+    kind = "does not exist"  # Else transformers would call it a malformed hub id.
+    if os.path.isfile(path):
+        kind = "is a file: give the folder that the model was saved to"
+    require(not local or os.path.isdir(path), f"model {path!r} is a local path, not a hub id, and no folder: "
+            f"{os.path.abspath(path)} {kind}")
     kwargs = args.model_init_kwargs or {}
     if isinstance(kwargs, str):  # JSON, from a command line.
         try:
@@ -437,8 +454,16 @@ def load_model(name, tokenizer, args):  # from_pretrained with model_init_kwargs
     require(isinstance(trust, bool), f"model_init_kwargs' trust_remote_code={trust!r} must be True or False "
             "(a string such as 'false' would be true)", TypeError)
     if tokenizer is None:  # The model's own tokenizer, trusted as far as the model is.
-        tokenizer = AutoTokenizer.from_pretrained(os.fspath(name), trust_remote_code=trust)
-    return AutoModelForCausalLM.from_pretrained(os.fspath(name), **kwargs), tokenizer
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust)
+    return AutoModelForCausalLM.from_pretrained(path, **kwargs), tokenizer
+
+
+def is_hub_id(name):  # "org/name": what from_pretrained looks up on the hub when no such folder exists.
+    try:
+        huggingface_hub.utils.validate_repo_id(name)
+    except huggingface_hub.utils.HFValidationError:
+        return False
+    return True
 
 
 def list_checkpoints(output_dir):  # The complete ones, oldest first (not checkpoint-<step>.tmp).
@@ -468,24 +493,32 @@ def check_checkpoint(trainer, path):
 
 
 def check_reward_funcs(reward_funcs):
-    """Functions, as TRL calls them; an async one is awaited, as TRL does. A reward model (TRL also takes a
-    sequence classifier or its hub id) is refused by name: wrap it in a function that scores the texts."""
+    """Functions, as TRL calls them, each checked(). A reward model (TRL also takes a sequence classifier or
+    its hub id) is refused by name: wrap it in a function that scores the texts."""
     funcs = reward_funcs
     if not isinstance(funcs, (list, tuple)):
         funcs = [funcs]
     models = [f for f in funcs if isinstance(f, (str, torch.nn.Module))]
-    require(not models, f"reward models {models!r:.80} are not supported: pass a function that calls one",
-            TypeError)
+    names = [f if isinstance(f, str) else type(f).__name__ for f in models]  # A model's repr is its layers.
+    require(not models, f"reward models {names} are not supported: pass a function that calls one", TypeError)
     require(len(funcs) > 0 and all(callable(f) for f in funcs), "reward_funcs must be a function or a "
             f"non-empty list of functions, got {reward_funcs!r}", TypeError)
-    return [awaited(f) if inspect.iscoroutinefunction(f) else f for f in funcs]
+    return [checked(f) for f in funcs]
 
 
-def awaited(function):  # An async reward function, run to its end on each call.
+def checked(function):
+    """The reward function, awaited if async (as TRL does), its values refused where they come in no order of
+    the completions: a dict or a set would give its keys, a string its characters."""
     @functools.wraps(function)
-    def run(**kwargs):
-        return asyncio.run(function(**kwargs))
-    return run
+    def call(**kwargs):
+        values = function(**kwargs)
+        if inspect.iscoroutine(values):
+            values = asyncio.run(values)
+        require(not isinstance(values, (dict, set, str)), f"it returned a {type(values).__name__}: return a "
+                "list of one number (or None) per completion, in their order", TypeError)
+        return values
+    call.__name__ = getattr(function, "__name__", type(function).__name__)  # A callable object's metrics.
+    return call
 
 
 def check_prompts(dataset, name):

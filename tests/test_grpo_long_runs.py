@@ -12,6 +12,7 @@ import signal
 import socket
 import subprocess
 import sys
+import textwrap
 import threading
 import time
 
@@ -19,7 +20,8 @@ import pytest
 import torch
 from datasets import Dataset
 from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import (LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassification,
+                          PreTrainedTokenizerFast)
 
 import grpo_multistep as gm
 import grpo_long_runs as lr
@@ -848,3 +850,76 @@ def test_a_resume_writes_only_into_its_checkpoints_own_folder_or_an_empty_one(tm
         unfinished = str(tmp_path / "out" / "checkpoint-2.tmp")
         make_trainer(tmp_path, max_steps=2).train(resume_from_checkpoint=unfinished)
     assert (tmp_path / "out" / "checkpoint-2.tmp").exists()  # kept: the user named it
+
+
+# ---- Inputs: models (loaded already, a frozen adapter, a missing folder, tied LoRA, no head), rewards -----
+def test_model_init_kwargs_given_with_a_loaded_model_warn_that_they_are_ignored_as_in_trl(tmp_path):
+    with pytest.warns(UserWarning, match="model_init_kwargs are ignored: the model is loaded already"):
+        make_trainer(tmp_path, model_init_kwargs={"dtype": "bfloat16"})
+
+
+def test_a_peft_model_loaded_without_is_trainable_is_refused_with_that_advice(tmp_path):
+    """peft loads a saved adapter frozen unless asked: such a model has nothing to train."""
+    peft = pytest.importorskip("peft")
+    tokenizer = make_tokenizer()
+    peft.get_peft_model(make_model(tokenizer), lora()).save_pretrained(tmp_path / "adapter")
+    frozen = peft.PeftModel.from_pretrained(make_model(tokenizer), tmp_path / "adapter")
+    with pytest.raises(ValueError, match=r"no trainable weights .* is_trainable=True"):
+        make_trainer(tmp_path, model=frozen, tokenizer=tokenizer)
+
+
+def test_a_missing_model_folder_is_named_as_a_folder_not_as_a_malformed_hub_id(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match=r"model './no-such-model' is a local path.* does not exist"):
+        make_trainer(tmp_path, model="./no-such-model")
+
+
+def test_a_lora_adapter_on_tied_embeddings_merges_into_the_trained_policy_by_reference_mds_recipe(tmp_path):
+    """An adapter on embed_tokens changes the input embedding alone; the LM head that shares its weight reads
+    the base weight. A plain merge_and_unload moves the head too; docs/reference.md's recipe does not."""
+    peft = pytest.importorskip("peft")
+    tokenizer = make_tokenizer()
+
+    def tied_base():
+        config = make_model(tokenizer).config
+        config.tie_word_embeddings = True
+        torch.manual_seed(0)
+        return LlamaForCausalLM(config)
+
+    trainer = make_trainer(tmp_path, model=tied_base(), tokenizer=tokenizer, learning_rate=0.1,
+                           peft_config=lora(target_modules=["embed_tokens", "q_proj"])).train()
+    ids = torch.tensor([list(range(2, 12))])
+    trained = trainer.model(input_ids=ids).logits.detach()
+    plain = peft.PeftModel.from_pretrained(tied_base(), tmp_path / "out").merge_and_unload()
+    assert (plain(input_ids=ids).logits - trained).abs().max() > 1e-2
+    with open(os.path.join(HERE, "..", "docs", "reference.md")) as f:
+        blocks = [b.split("```")[0] for b in f.read().split("```python\n")[1:]]
+    recipe = next(b for b in blocks if "merge_and_unload" in b)
+    scope = {"PeftModel": peft.PeftModel, "torch": torch, "base": tied_base(), "output_dir": tmp_path / "out"}
+    exec(textwrap.dedent(recipe), scope)
+    scope["merged"].save_pretrained(tmp_path / "merged")
+    merged = LlamaForCausalLM.from_pretrained(tmp_path / "merged")
+    torch.testing.assert_close(merged(input_ids=ids).logits, trained, rtol=0, atol=1e-5)
+
+
+def test_a_model_without_an_lm_head_is_named_at_construction(tmp_path):
+    with pytest.raises(TypeError, match="LlamaModel has no LM head .* AutoModelForCausalLM"):
+        make_trainer(tmp_path, model=make_model(make_tokenizer()).model)
+
+
+def test_an_empty_output_dir_is_named_when_the_config_is_made():
+    with pytest.raises(ValueError, match="output_dir='' names no folder"):
+        GRPOConfig(output_dir="")
+
+
+def test_a_reward_function_returning_a_dict_is_refused_not_read_by_its_keys(tmp_path):
+    def by_index(completions, **kwargs):
+        return {i: 1.0 for i in range(len(completions))}  # iterated, a dict gives 0, 1, 2...: its keys
+    with pytest.raises(RuntimeError, match="'by_index' failed: TypeError: it returned a dict: return a list"):
+        make_trainer(tmp_path, reward_funcs=by_index, max_steps=1).train()
+
+
+def test_a_reward_model_is_refused_by_its_class_name_not_its_repr(tmp_path):
+    classifier = LlamaForSequenceClassification(make_model(make_tokenizer()).config)
+    with pytest.raises(TypeError, match=r"^reward models \['LlamaForSequenceClassification'\] are not sup"):
+        make_trainer(tmp_path, reward_funcs=classifier)
