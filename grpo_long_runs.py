@@ -145,10 +145,10 @@ class GRPOTrainer(core.GRPOTrainer):
         self.model.activation_checkpointing_disable()  # As the config says now.
         if args.gradient_checkpointing:
             self.model.activation_checkpointing_enable({"use_reentrant": False})
-        if resume_from_checkpoint is True:  # The newest complete checkpoint in output_dir.
+        if resume_from_checkpoint is True:  # The newest complete checkpoint in output_dir that reads whole.
             found = core.list_checkpoints(args.output_dir)
             require(found, f"{args.output_dir!r} holds no checkpoint to resume: start a fresh run")
-            resume_from_checkpoint = found[-1]
+            resume_from_checkpoint = newest_readable(self, found)
         resumed_step = None
         if resume_from_checkpoint:
             resumed_step = check_checkpoint(self, os.fspath(resume_from_checkpoint))
@@ -513,32 +513,66 @@ def check_checkpoint(trainer, path):
     if core.is_peft(trainer.model):
         weights_file = "adapter_model.safetensors"
         ours = importlib.import_module("peft").get_peft_model_state_dict(trainer.model)
-    files = ("trainer_state.json", "optimizer.pt", weights_file, f"rank_{trainer.rank}.pt")
+    ranks = [f"rank_{r}.pt" for r in range(trainer.world_size)]  # Each process decides alike.
+    files = ["trainer_state.json", "optimizer.pt", weights_file, *ranks]
     missing = [f for f in files if not os.path.isfile(os.path.join(path, f))]
     require(not missing, f"{path!r} is no checkpoint of this kind of run (LoRA or not): it lacks {missing}")
-    with safetensors.safe_open(os.path.join(path, weights_file), "pt") as f:
-        shapes = {k: f.get_slice(k).get_shape() for k in f.keys()}
+    headers = functools.partial(torch.load, mmap=True, weights_only=True)  # mmap: shapes, not the tensors.
+    for name in ranks:
+        read(path, name, headers)
+    state = read(path, "trainer_state.json", json_file)
+    shapes = read(path, weights_file, tensor_shapes)
     wrong = [k for k in shapes if k not in ours or list(ours[k].shape) != shapes[k]]
     require(not wrong, f"{weights_file} in {path!r} is another model's: {sorted(wrong)[:3]} differ in name "
             "or shape")
     # AdamW's state is matched by position: with other trained tensors it would update the wrong ones, or
-    # read past a tensor's end. mmap reads the names and shapes, not the tensors.
-    optimizer = torch.load(os.path.join(path, "optimizer.pt"), mmap=True, weights_only=True)
+    # read past a tensor's end.
+    optimizer = read(path, "optimizer.pt", headers)
     trained = trainer.optimizer.param_groups[0]
     then = [name for group in optimizer["param_groups"] for name in group.get("param_names", [])]
     other = []
     if then:
         other = sorted(set(then) ^ set(trained["param_names"]))  # Trained in one run only.
-    for i, state in optimizer["state"].items():  # By shape too: grpo_multistep's checkpoints have no names.
-        if i >= len(trained["params"]) or state["exp_avg"].shape != trained["params"][i].shape:
+    for i, moments in optimizer["state"].items():  # By shape too: grpo_multistep's checkpoints have no names.
+        if i >= len(trained["params"]) or moments["exp_avg"].shape != trained["params"][i].shape:
             other.append(f"tensor {i}")
     sizes = [len(group["params"]) for group in optimizer["param_groups"]]
     now = len(trained["params"])
     require(not other and sizes == [now], f"optimizer.pt in {path!r} trains other tensors: {other[:3]} "
             f"(groups of {sizes} tensors; this model trains {now}): "
             "resume with the tensors frozen as they were")
-    with open(os.path.join(path, "trainer_state.json")) as f:
-        return json.load(f)["step"]
+    return state["step"]
+
+
+class DamagedCheckpoint(ValueError):  # A file that does not read: resume=True takes the checkpoint before.
+    pass
+
+
+def read(path, name, reader):  # A file cut short (a full disk) or damaged is named before anything loads.
+    try:
+        return reader(os.path.join(path, name))
+    except Exception as e:
+        raise DamagedCheckpoint(f"{name} in {path!r} is damaged: {type(e).__name__}: {e}") from e
+
+
+def json_file(file):
+    with open(file) as f:
+        return json.load(f)
+
+
+def tensor_shapes(file):  # From the safetensors header alone.
+    with safetensors.safe_open(file, "pt") as f:
+        return {k: f.get_slice(k).get_shape() for k in f.keys()}
+
+
+def newest_readable(trainer, checkpoints):  # Oldest first; the oldest is left for train() to check.
+    for path in reversed(checkpoints[1:]):
+        try:
+            check_checkpoint(trainer, path)
+            return path
+        except DamagedCheckpoint as e:
+            print(f"{e}: resuming from the checkpoint before it", flush=True)
+    return checkpoints[0]
 
 
 def check_reward_funcs(reward_funcs):

@@ -1135,3 +1135,20 @@ def test_a_run_that_fails_before_its_first_row_leaves_no_file_so_it_can_be_run_a
     assert os.listdir(tmp_path / "out") == []
     make_trainer(tmp_path, report_to="tensorboard").train()
     assert logged_steps(tmp_path / "out") == [1, 2]
+
+
+def test_a_damaged_checkpoint_is_named_and_resume_true_falls_back_to_the_one_before(tmp_path, capsys):
+    """A file cut short (a full disk) or damaged is named with its path before anything loads. resume=True
+    says so and resumes from the newest checkpoint that reads whole; the damaged ones are set aside."""
+    make_trainer(tmp_path, max_steps=3, save_steps=1).train()
+    out = tmp_path / "out"
+    (out / "checkpoint-3" / "trainer_state.json").write_text('{"step": 3, "wor')
+    weights = out / "checkpoint-2" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-100])
+    with pytest.raises(ValueError, match=r"trainer_state.json in .*checkpoint-3.* is damaged: JSONDecode"):
+        make_trainer(tmp_path, max_steps=4).train(resume_from_checkpoint=str(out / "checkpoint-3"))
+    make_trainer(tmp_path, max_steps=4).train(resume_from_checkpoint=True)
+    said = capsys.readouterr().out
+    assert "checkpoint-3' is damaged" in said and "model.safetensors in" in said
+    assert [r["step"] for r in metrics_of(out)] == [1, 2, 3, 4]
+    assert {"checkpoint-2.abandoned", "checkpoint-3.abandoned"} <= set(os.listdir(out))
