@@ -4,15 +4,17 @@ works alone. Import from here instead of there and nothing else changes:
     from grpo_long_runs import GRPOConfig, GRPOTrainer     # not: from grpo_multistep import ...
 
 This module adds, each by overriding a method of grpo_multistep.GRPOTrainer (no hook of its own):
-- a failure (an exception, Ctrl-C, SIGTERM at preemption) keeps the finished steps: a checkpoint of the last
-  finished step is written at once; a weight update holds a signal to its step's end, an evaluation never;
-- torchrun: N processes make the same updates as one;
+- a failure (an exception, Ctrl-C, SIGTERM at preemption) keeps the finished steps: the last finished step's
+  metrics row and checkpoint are written at once; only a weight update and a row's or checkpoint's write
+  hold a signal;
+- torchrun: N processes make the same updates as one, and a failure in one process ends them all;
 - a faster log-prob pass (the LM head in chunks, a prompt's pass shared by its G completions);
 - one history per output_dir: a used one is refused unless overwrite_output_dir or a resume of its own, and
   a resume sets the abandoned timeline's later checkpoints aside;
-- inputs checked at construction: the config's types, prompts, reward functions, a checkpoint's files;
+- inputs checked at construction: the config's types, prompts, reward functions; before a resume loads
+  anything, a checkpoint's files and trained tensors (a batch it cached with β = 0 gets π_ref's log-probs);
 - report_to's trackers, model_init_kwargs, bf16, gradient_checkpointing, log_completions, save_total_limit,
-  and resume_from_checkpoint=True (the newest complete checkpoint);
+  and resume_from_checkpoint=True (the newest complete checkpoint that reads whole);
 - the seconds of each phase, logged as time_<phase>.
 """
 import asyncio, contextlib, dataclasses, functools, importlib, importlib.util, inspect, json, math, numbers
@@ -130,9 +132,12 @@ class GRPOTrainer(core.GRPOTrainer):
                 f"model's embeddings {vocabulary}: after adding tokens, model.resize_token_embeddings")
         check_rewards(self)
         self.seconds = defaultdict(float)  # Per phase, since the last step's end.
-        self.holding = False  # True from a weight update to the end of its step, and in a checkpoint write.
+        self.holding = False  # True from a weight update to its end_of_step, and in a checkpoint write.
         self.updating = False  # True while AdamW changes the weights: a failure then has no step to save.
         self.optimizer.register_step_pre_hook(self.start_update)
+        # AdamW matches its state to the tensors by position: with their names, a resume can check them.
+        self.optimizer.param_groups[0]["param_names"] = [n for n, p in self.model.named_parameters()
+                                                         if p.requires_grad]
         self.signal = None
         self.trackers = []
 
@@ -142,8 +147,6 @@ class GRPOTrainer(core.GRPOTrainer):
         check_types(args)  # Fields may have changed since the trainer was made.
         check_report_to(args)
         check_rewards(self)
-        require(args.eval_strategy == "no" or self.eval_dataset is not None, "eval_strategy='steps' needs an "
-                "eval_dataset")
         n = len(self.eval_dataset or [])  # Else the processes would run different numbers of collectives.
         require(args.eval_strategy == "no" or n % self.world_size == 0, f"eval_dataset's {n} prompts do not "
                 f"split evenly over {self.world_size} processes")
@@ -159,21 +162,25 @@ class GRPOTrainer(core.GRPOTrainer):
                     m.p = 0.0
                 if isinstance(getattr(m, "attention_dropout", None), float):
                     m.attention_dropout = 0.0
-        if resume_from_checkpoint is True:  # The newest complete checkpoint in output_dir.
+        if resume_from_checkpoint is True:  # The newest complete checkpoint in output_dir that reads whole.
             found = list_checkpoints(args.output_dir)
             require(found, f"{args.output_dir!r} holds no checkpoint to resume: start a fresh run")
-            resume_from_checkpoint = found[-1]
+            resume_from_checkpoint = newest_readable(self, found)
+        resumed_step = None
         if resume_from_checkpoint:
-            check_checkpoint(self, os.fspath(resume_from_checkpoint))
+            resumed_step = check_checkpoint(self, os.fspath(resume_from_checkpoint))
         if self.rank == 0:
             prepare_output_dir(args, resume_from_checkpoint)
         if self.world_size > 1:
             dist.barrier()  # The other processes write into output_dir only once it is ready.
         self.signal = None
+        self.unfinished = None  # A finished step's metrics while its end_of_step runs (keep_finished_steps).
+        self.logged_step = None  # The step of the last row that end_of_step logged, once written.
+        self.checkpointed = resumed_step  # The step of the last checkpoint this process wrote its part of.
         self.start_time = time.perf_counter()
         with keep_finished_steps(self):
             if self.rank == 0:
-                self.trackers = [Tracker(name, args) for name in args.report_to]
+                self.trackers = [Tracker(name, args, resumed_step) for name in args.report_to]
             super().train(resume_from_checkpoint)
         return self
 
@@ -201,6 +208,9 @@ class GRPOTrainer(core.GRPOTrainer):
         return result
 
     def optimizer_step(self, batch):
+        if self.args.beta > 0 and "ref_logps" not in batch:  # Cached with β = 0, then resumed with β > 0.
+            with core.reference_weights(self.ref_model):  # π_ref never changes: the log-probs it had then.
+                batch["ref_logps"] = self.cached_logps(self.ref_model, batch)
         start = lap(self)
         forward_before = self.seconds["forward"]
         metrics = super().optimizer_step(batch)
@@ -247,26 +257,30 @@ class GRPOTrainer(core.GRPOTrainer):
             dist.all_reduce(x)
         return x
 
-    def evaluate(self):  # Not held: a signal ends an evaluation at once, the finished step checkpointed.
-        if self.signal is not None:  # It came during the update: this step's row and checkpoint come first.
-            return {}
-        self.holding = False
+    def evaluate(self):
         start = time.perf_counter()
         metrics = super().evaluate()
         metrics["time_eval"] = time.perf_counter() - start
-        self.holding = True
         return metrics
 
-    def end_of_step(self, metrics):  # Held since the update: the step's row and checkpoint come first.
+    def end_of_step(self, metrics):
+        """The step is finished: its evaluation, log() and trackers are not held against a signal. If a
+        failure or a signal cuts them, keep_finished_steps writes the step's row and checkpoint from here."""
         for phase in PHASES:
             metrics[f"time_{phase}"] = self.seconds.pop(phase, 0.0)
-        super().end_of_step(metrics)
+        self.unfinished = (metrics, {k: list(v) for k, v in self.window.items()})  # The window before it.
         self.holding = False
-        raise_held_signal(self)
+        raise_held_signal(self)  # One that came during the update.
+        super().end_of_step(metrics)
+        self.unfinished = None
 
     def log(self, row):
-        row["elapsed"] = time.perf_counter() - self.start_time  # Seconds since train() began.
-        super().log(row)
+        from_user = "step" not in row  # HF's habit, trainer.log({...}) in user code: at the current step.
+        row = {"step": self.step, **row, "elapsed": time.perf_counter() - self.start_time}  # Since train().
+        with held(self):  # Written and marked as written, or neither: a cut row is written once.
+            super().log(row)
+            if not from_user:
+                self.logged_step = row["step"]
         if self.rank == 0 and self.args.log_completions:
             for prompt, completion, reward in self.samples[:4]:
                 if not isinstance(prompt, str):  # A conversation: its last message.
@@ -275,19 +289,17 @@ class GRPOTrainer(core.GRPOTrainer):
         for tracker in self.trackers:
             tracker.log(row)
 
-    def save_checkpoint(self):  # Held against signals; under torchrun rank 0 renames once all wrote.
-        held = self.holding
-        self.holding = True
-        tmp = os.path.join(self.args.output_dir, f"checkpoint-{self.step}.tmp")
-        if self.rank == 0:
-            wait_for_files([os.path.join(tmp, f"rank_{r}.pt") for r in range(1, self.world_size)])
-        super().save_checkpoint()
-        limit = self.args.save_total_limit
-        if self.rank == 0 and limit is not None:
-            for old in list_checkpoints(self.args.output_dir)[:-limit]:
-                shutil.rmtree(old)
-        self.holding = held
-        raise_held_signal(self)
+    def save_checkpoint(self):  # Under torchrun rank 0 renames it once every process wrote its part.
+        with held(self):
+            tmp = os.path.join(self.args.output_dir, f"checkpoint-{self.step}.tmp")
+            if self.rank == 0:
+                wait_for_files([os.path.join(tmp, f"rank_{r}.pt") for r in range(1, self.world_size)])
+            super().save_checkpoint()
+            self.checkpointed = self.step
+            limit = self.args.save_total_limit
+            if self.rank == 0 and limit is not None:
+                for old in list_checkpoints(self.args.output_dir)[:-limit]:
+                    shutil.rmtree(old)
 
 
 PHASES = ("generate", "logps", "forward", "backward", "optimizer")
@@ -305,13 +317,14 @@ def autocast(trainer):  # bf16: the model calls run in bfloat16; the loss and Ad
 
 # ---- A failure never loses finished steps --------------------------------------------------------------
 # On any exception (Ctrl-C included) and at once on SIGTERM (sent at preemption; torchrun passes it to every
-# process), a checkpoint of the last finished step is written, then the exception goes on. Only the main
-# thread can catch signals: elsewhere SIGTERM ends the process at once.
+# process), the last finished step's row and checkpoint are written, then the exception goes on. Only the
+# main thread can catch signals: elsewhere SIGTERM ends the process at once.
 @contextlib.contextmanager
 def keep_finished_steps(trainer):
     def on_signal(signum, frame):
         trainer.signal = signum
         if not trainer.holding:  # Else what is being written ends first.
+            keep_last_step(trainer)  # At once: user code may hold the exception back (a thread pool's join).
             raise exception_for(signum)
     previous = {}
     if threading.current_thread() is threading.main_thread():
@@ -320,9 +333,7 @@ def keep_finished_steps(trainer):
     try:
         yield
     except BaseException:
-        finished = trainer.step > 0 and not trainer.updating  # (A failed update is no finished step.)
-        if finished and trainer.args.save_strategy != "no":
-            trainer.save_checkpoint()
+        keep_last_step(trainer)
         raise
     finally:
         trainer.holding = False
@@ -331,6 +342,51 @@ def keep_finished_steps(trainer):
         for tracker in trainer.trackers:
             tracker.close()
         trainer.trackers = []
+
+
+def keep_last_step(trainer):  # Its row and checkpoint, where not written yet.
+    before = trainer.holding  # (False after a signal: if user code swallows its exception, it comes again.)
+    trainer.holding = True  # A second signal waits for them.
+    try:
+        if trainer.world_size > 1 and dist.is_initialized():
+            # A process waiting in a collective for this one fails now, and writes its part of the checkpoint
+            # (rank 0 waits for it): no process waits for code that only another runs (rank 0's log()).
+            dist.destroy_process_group()
+        if trainer.unfinished is not None:
+            log_cut_step(trainer)
+        finished = trainer.step > 0 and not trainer.updating  # (A failed update is no finished step.)
+        if finished and trainer.checkpointed != trainer.step and trainer.args.save_strategy != "no":
+            trainer.save_checkpoint()
+    finally:
+        trainer.holding = before
+
+
+def log_cut_step(trainer):
+    """A finished step whose end_of_step was cut (its evaluation, log() or a tracker failed, a signal came):
+    its metrics join the window and, where the step logs a row that is not written yet, the row goes to
+    metrics.jsonl as grpo_multistep's logged_row makes it. Not to the trackers: one may have failed."""
+    metrics, window = trainer.unfinished
+    trainer.unfinished = None
+    if trainer.logged_step == trainer.step:
+        return
+    trainer.window = defaultdict(list, window)
+    for k, v in metrics.items():
+        trainer.window[k].append(v)
+    if trainer.step % trainer.args.logging_steps == 0 or trainer.step == trainer.args.max_steps:
+        row = trainer.logged_row()
+        row["elapsed"] = time.perf_counter() - trainer.start_time
+        core.GRPOTrainer.log(trainer, row)  # metrics.jsonl and the console, without the trackers
+
+
+@contextlib.contextmanager
+def held(trainer):  # A signal waits for the block's end: a file write that must be whole.
+    before = trainer.holding
+    trainer.holding = True
+    try:
+        yield
+    finally:
+        trainer.holding = before
+    raise_held_signal(trainer)
 
 
 def raise_held_signal(trainer):
@@ -372,8 +428,9 @@ def init_distributed():
 def prepare_output_dir(args, resume):
     """One history per folder. A fresh run refuses an output_dir that holds files, unless
     overwrite_output_dir, which deletes the earlier run's checkpoints, metrics, event files and final model
-    (no other file). A resume writes into its checkpoint's own folder, or an empty one; that folder's checkpoints after it
-    belong to the timeline the resume leaves, and are set aside as checkpoint-<n>.abandoned."""
+    (no other file). A resume writes into its checkpoint's own folder, or an empty one; that folder's
+    checkpoints after it belong to the timeline the resume leaves, and are set aside as
+    checkpoint-<n>.abandoned."""
     out = args.output_dir
     os.makedirs(out, exist_ok=True)
     names = sorted(os.listdir(out))
@@ -407,11 +464,18 @@ RUN_FILES = ("metrics.jsonl", "runs", "config.json", "generation_config.json", "
 
 # ---- report_to: a tracker is imported only where it is named; it gets every row, on rank 0 -------------
 class Tracker:
-    def __init__(self, name, args):
+    def __init__(self, name, args, resumed_step=None):
         self.name = name
+        self.run = None
         if name == "tensorboard":  # Event files in output_dir/runs/<date-time>, where TRL writes them.
-            folder = os.path.join(args.output_dir, "runs", time.strftime("%Y%m%d-%H%M%S"))
-            self.run = importlib.import_module("torch.utils.tensorboard").SummaryWriter(folder)
+            runs = os.path.join(args.output_dir, "runs")
+            self.folder = os.path.join(runs, time.strftime("%Y%m%d-%H%M%S"))
+            self.purge_step = None
+            if resumed_step is not None and os.path.isdir(runs) and os.listdir(runs):
+                # A resume goes on in the run's newest event folder, without the abandoned timeline's later
+                # steps: TensorBoard shows each step once.
+                self.folder = os.path.join(runs, sorted(os.listdir(runs))[-1])
+                self.purge_step = resumed_step + 1
         else:  # wandb and trackio share an API: init(project=, config=) returns a run.
             project = os.environ.get(f"{name.upper()}_PROJECT", "huggingface")  # As transformers does.
             self.run = importlib.import_module(name).init(project=project, config=dataclasses.asdict(args))
@@ -419,16 +483,19 @@ class Tracker:
     def log(self, row):
         metrics = {k: v for k, v in row.items() if k != "step"}
         if self.name == "tensorboard":
+            if self.run is None:  # Made at the first row: a run that logs none leaves no file to refuse.
+                tensorboard = importlib.import_module("torch.utils.tensorboard")
+                self.run = tensorboard.SummaryWriter(self.folder, purge_step=self.purge_step)
             for k, v in metrics.items():
                 self.run.add_scalar(k, v, row["step"])
         else:
             self.run.log(metrics, step=row["step"])
 
     def close(self):
-        if self.name == "tensorboard":
-            self.run.close()
-        else:
+        if self.name != "tensorboard":
             self.run.finish()
+        elif self.run is not None:
+            self.run.close()
 
 
 # ---- Inputs beyond grpo_multistep's own checks ---------------------------------------------------------
@@ -473,8 +540,9 @@ def list_checkpoints(output_dir):  # The complete ones, oldest first (not checkp
 
 
 def check_checkpoint(trainer, path):
-    """Before anything loads: every file a resume reads is there, and the weights have this model's names and
-    shapes (read from the safetensors header alone): load_state_dict would copy those that fit, then raise."""
+    """Before anything loads: every file a resume reads is there, the weights have this model's names and
+    shapes (read from the safetensors header alone: load_state_dict would copy those that fit, then raise),
+    and AdamW's state is that of the tensors this model trains. Returns the checkpoint's step."""
     require(not path.rstrip(os.sep).endswith(".tmp"), f"{path!r} is an unfinished checkpoint (one is renamed "
             "only once whole): resume from a complete one")
     weights_file = "model.safetensors"
@@ -482,14 +550,66 @@ def check_checkpoint(trainer, path):
     if core.is_peft(trainer.model):
         weights_file = "adapter_model.safetensors"
         ours = importlib.import_module("peft").get_peft_model_state_dict(trainer.model)
-    files = ("trainer_state.json", "optimizer.pt", weights_file, f"rank_{trainer.rank}.pt")
+    ranks = [f"rank_{r}.pt" for r in range(trainer.world_size)]  # Each process decides alike.
+    files = ["trainer_state.json", "optimizer.pt", weights_file, *ranks]
     missing = [f for f in files if not os.path.isfile(os.path.join(path, f))]
     require(not missing, f"{path!r} is no checkpoint of this kind of run (LoRA or not): it lacks {missing}")
-    with safetensors.safe_open(os.path.join(path, weights_file), "pt") as f:
-        shapes = {k: f.get_slice(k).get_shape() for k in f.keys()}
+    headers = functools.partial(torch.load, mmap=True, weights_only=True)  # mmap: shapes, not the tensors.
+    for name in ranks:
+        read(path, name, headers)
+    state = read(path, "trainer_state.json", json_file)
+    shapes = read(path, weights_file, tensor_shapes)
     wrong = [k for k in shapes if k not in ours or list(ours[k].shape) != shapes[k]]
     require(not wrong, f"{weights_file} in {path!r} is another model's: {sorted(wrong)[:3]} differ in name "
             "or shape")
+    # AdamW's state is matched by position: with other trained tensors it would update the wrong ones, or
+    # read past a tensor's end.
+    optimizer = read(path, "optimizer.pt", headers)
+    trained = trainer.optimizer.param_groups[0]
+    then = [name for group in optimizer["param_groups"] for name in group.get("param_names", [])]
+    other = []
+    if then:
+        other = sorted(set(then) ^ set(trained["param_names"]))  # Trained in one run only.
+    for i, moments in optimizer["state"].items():  # By shape too: grpo_multistep's checkpoints have no names.
+        if i >= len(trained["params"]) or moments["exp_avg"].shape != trained["params"][i].shape:
+            other.append(f"tensor {i}")
+    sizes = [len(group["params"]) for group in optimizer["param_groups"]]
+    now = len(trained["params"])
+    require(not other and sizes == [now], f"optimizer.pt in {path!r} trains other tensors: {other[:3]} "
+            f"(groups of {sizes} tensors; this model trains {now}): "
+            "resume with the tensors frozen as they were")
+    return state["step"]
+
+
+class DamagedCheckpoint(ValueError):  # A file that does not read: resume=True takes the checkpoint before.
+    pass
+
+
+def read(path, name, reader):  # A file cut short (a full disk) or damaged is named before anything loads.
+    try:
+        return reader(os.path.join(path, name))
+    except Exception as e:
+        raise DamagedCheckpoint(f"{name} in {path!r} is damaged: {type(e).__name__}: {e}") from e
+
+
+def json_file(file):
+    with open(file) as f:
+        return json.load(f)
+
+
+def tensor_shapes(file):  # From the safetensors header alone.
+    with safetensors.safe_open(file, "pt") as f:
+        return {k: f.get_slice(k).get_shape() for k in f.keys()}
+
+
+def newest_readable(trainer, checkpoints):  # Oldest first; the oldest is left for train() to check.
+    for path in reversed(checkpoints[1:]):
+        try:
+            check_checkpoint(trainer, path)
+            return path
+        except DamagedCheckpoint as e:
+            print(f"{e}: resuming from the checkpoint before it", flush=True)
+    return checkpoints[0]
 
 
 def check_reward_funcs(reward_funcs):

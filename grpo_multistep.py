@@ -14,7 +14,7 @@ A generation batch may hold S optimizer steps' worth of completions (TRL's steps
 its S mini-batches is used μ times, μ·S steps in all. Part I is the algorithm, in the order of Algorithm 1;
 Part II what a trainer copied alone needs besides. grpo_long_runs.py adds what long jobs need on top.
 """
-import contextlib, copy, dataclasses, functools, importlib, json, math, os, random, shutil, sys
+import contextlib, copy, dataclasses, functools, hashlib, importlib, json, math, os, random, shutil, sys
 from collections import defaultdict
 
 import numpy, safetensors.torch, torch
@@ -429,6 +429,10 @@ class GRPOTrainer(GRPOLoop):
         check_trainable(self.model)
         os.makedirs(self.args.output_dir, exist_ok=True)
         self.new_run()
+        digest = hashlib.sha256()  # The prompts' fingerprint: a resume checks that they are the same.
+        for prompt in self.train_dataset["prompt"]:
+            digest.update(json.dumps(prompt).encode())
+        self.dataset_id = [len(self.train_dataset), digest.hexdigest()]
         metrics_file = os.path.join(self.args.output_dir, "metrics.jsonl")
         if resume_from_checkpoint:
             self.load_checkpoint(resume_from_checkpoint)
@@ -457,14 +461,17 @@ class GRPOTrainer(GRPOLoop):
         for k, v in metrics.items():
             self.window[k].append(v)
         if self.step % args.logging_steps == 0 or last:
-            row = {"step": self.step}
-            for k, values in self.window.items():
-                present = [v for v in values if not math.isnan(v)]
-                row[k] = sum(present) / len(present) if present else math.nan
-            self.window.clear()
-            self.log(row)
+            self.log(self.logged_row())
         if args.save_strategy == "steps" and (self.step % args.save_steps == 0 or last):
             self.save_checkpoint()
+
+    def logged_row(self):  # The steps since the last row as one: each metric's mean, NaN where none had it.
+        row = {"step": self.step}
+        for k, values in self.window.items():
+            present = [v for v in values if not math.isnan(v)]
+            row[k] = sum(present) / len(present) if present else math.nan
+        self.window.clear()
+        return row
 
     def log(self, row):  # Rank 0 prints the row and appends it to metrics.jsonl (JSON has no NaN: null).
         if self.rank != 0:
@@ -487,8 +494,9 @@ class GRPOTrainer(GRPOLoop):
             return
         self.model.save_pretrained(tmp)
         torch.save(self.optimizer.state_dict(), os.path.join(tmp, "optimizer.pt"))
-        state = {"step": self.step, "world_size": self.world_size, "window": self.window,
-                 "sampled_names": self.sampled_names, "config": dataclasses.asdict(self.args)}
+        state = {"step": self.step, "world_size": self.world_size, "dataset": self.dataset_id,
+                 "window": self.window, "sampled_names": self.sampled_names,
+                 "config": dataclasses.asdict(self.args)}
         with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
             json.dump(state, f, default=str)  # A Path as a string.
         shutil.rmtree(folder, ignore_errors=True)  # This step's checkpoint from an earlier try, if any.
@@ -496,15 +504,16 @@ class GRPOTrainer(GRPOLoop):
 
     def load_checkpoint(self, path):
         """JSON, safetensors and AdamW's tensors (torch.load with weights_only): no code runs. A checkpoint of
-        another batch shape would continue another run's prompt order: it is refused before anything loads."""
+        another batch shape or dataset would continue another run's prompt order: it is refused at once."""
         with open(os.path.join(path, "trainer_state.json")) as f:  # Each file is read before any is applied.
             state = json.load(f)
-        then = dict(state["config"], world_size=state["world_size"])
-        now = dict(dataclasses.asdict(self.args), world_size=self.world_size)
+        then = dict(state["config"], world_size=state["world_size"], dataset=state["dataset"])
+        now = dict(dataclasses.asdict(self.args), world_size=self.world_size, dataset=self.dataset_id)
         shape = ("num_iterations", "steps_per_generation", "num_generations", "per_device_train_batch_size",
-                 "gradient_accumulation_steps", "world_size", "seed")  # What the prompts and batches follow.
+                 "gradient_accumulation_steps", "world_size", "seed", "dataset")  # What the prompts follow.
         changed = {k: (then[k], now[k]) for k in shape if then[k] != now[k]}
-        require(not changed, f"checkpoint {os.fspath(path)!r} has another batch shape (then, now): {changed}")
+        require(not changed, f"checkpoint {os.fspath(path)!r} has another batch shape or dataset (then, "
+                f"now): {changed}")
         weights_file = "adapter_model.safetensors" if is_peft(self.model) else "model.safetensors"
         weights = safetensors.torch.load_file(os.path.join(path, weights_file), device=str(self.device))
         load = functools.partial(torch.load, map_location=self.device, weights_only=True)

@@ -725,13 +725,17 @@ def test_a_failure_while_writing_a_checkpoint_leaves_the_previous_one_loadable(t
 
 
 def test_a_resume_that_is_not_this_runs_checkpoint_is_refused_before_anything_loads(tmp_path):
-    """Not a checkpoint folder (the missing file is named); another batch shape (the prompt order and the
-    saved batch depend on it)."""
+    """Not a checkpoint folder (the missing file is named); another batch shape or other prompts (the prompt
+    order and the saved batch depend on them)."""
     run_to_end(tmp_path, "a")
     with pytest.raises(FileNotFoundError, match="trainer_state.json"):
         run_to_end(tmp_path, "b", resume=str(tmp_path))
     with pytest.raises(ValueError, match=r"another batch shape.*'num_iterations': \(3, 2\)"):
         run_to_end(tmp_path, "b", resume=str(tmp_path / "a" / "checkpoint-2"), num_iterations=2)
+    reversed_prompts = Dataset.from_dict({"prompt": PROMPTS[::-1]})
+    other_prompts = make_trainer(tmp_path, dataset=reversed_prompts, num_iterations=3)
+    with pytest.raises(ValueError, match=r"another batch shape or dataset .*\{'dataset': \(\[8, "):
+        other_prompts.train(resume_from_checkpoint=str(tmp_path / "a" / "checkpoint-2"))
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -457,14 +457,15 @@ trainer.train()
 
 
 def test_sigterm_during_a_60_s_evaluation_exits_within_seconds_with_the_finished_step(tmp_path, child_at):
-    """An evaluation is not held against a signal: SIGTERM in step 2's 60 s evaluation checkpoints step 2,
-    whose update is done, and exits with 143 within seconds (step 2's row, cut with its evaluation, is not
-    written). The checkpoint resumes to the weights of a run that never stopped."""
+    """An evaluation is not held against a signal: SIGTERM in step 2's 60 s evaluation writes step 2's row
+    (without the evaluation's metrics) and checkpoint, as its update is done, and exits with 143 within
+    seconds. The checkpoint resumes to the weights of a run that never stopped."""
     flag = tmp_path / "judging"
     code, seconds = run_until(child_at, A_60_S_EVALUATION_AT_STEP_2.format(flag=str(flag), tmp=str(tmp_path)),
                               flag, signal.SIGTERM)
     assert code == 143 and seconds < 20, (code, seconds)
     assert checkpoints(tmp_path / "out") == ["checkpoint-2"]
+    assert [r["step"] for r in metrics_of(tmp_path / "out")] == [1, 2]
     resumed, whole = (make_trainer(tmp_path, max_steps=4, save_steps=100, output_dir=str(tmp_path / d))
                       for d in ("out", "whole"))
     resumed.train(resume_from_checkpoint=True)
@@ -923,3 +924,309 @@ def test_a_reward_model_is_refused_by_its_class_name_not_its_repr(tmp_path):
     classifier = LlamaForSequenceClassification(make_model(make_tokenizer()).config)
     with pytest.raises(TypeError, match=r"^reward models \['LlamaForSequenceClassification'\] are not sup"):
         make_trainer(tmp_path, reward_funcs=classifier)
+
+
+# ---- A finished step keeps its row and its checkpoint, whatever cuts its end ------------------------------
+# A step is finished once its weight update is done. Its evaluation, log() and trackers are not held: a signal
+# cuts them at once, and a failure or a signal there still writes the step's metrics row and its checkpoint.
+A_60_S_LOG_AT_STEP_3 = """
+import time
+from pathlib import Path
+import test_grpo_long_runs as t
+trainer = t.make_trainer(Path({tmp!r}), max_steps=4, save_steps=100, num_iterations=2)
+def slow_log(row):  # a log() override whose write takes 60 s at step 3: a tracker's server that hangs
+    if row["step"] == 3:
+        open({flag!r}, "w").close()
+        time.sleep(60)
+    t.GRPOTrainer.log(trainer, row)
+trainer.log = slow_log
+trainer.train()
+"""
+
+
+@pytest.mark.parametrize("signum,code", [(signal.SIGTERM, 143), (signal.SIGINT, -signal.SIGINT)])
+def test_a_signal_during_a_60_s_log_exits_within_seconds_with_the_steps_row_and_checkpoint(tmp_path, child_at,
+                                                                                          signum, code):
+    """SIGTERM or Ctrl-C while log() writes step 3's row (inside a μ = 2 generation batch): the process exits
+    within seconds, and step 3, finished with its update, has its row in metrics.jsonl and its checkpoint.
+    Both are those of a run that never stopped, which the resumed run ends as."""
+    flag = tmp_path / "logging"
+    script = A_60_S_LOG_AT_STEP_3.format(flag=str(flag), tmp=str(tmp_path))
+    exit_code, seconds = run_until(child_at, script, flag, signum)
+    assert exit_code == code and seconds < 20, (exit_code, seconds)
+    assert checkpoints(tmp_path / "out") == ["checkpoint-3"]
+    assert [r["step"] for r in metrics_of(tmp_path / "out")] == [1, 2, 3]
+    assert_resumes_like_a_run_that_never_stopped(tmp_path, num_iterations=2)
+
+
+
+A_REWARD_WAITING_FOR_ITS_THREADS = """
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+import test_grpo_long_runs as t
+calls = []
+def judge(completion):  # a grader's request that takes 60 s
+    open({flag!r}, "w").close()
+    time.sleep(60)
+    return 0.0
+def pooled(completions, completion_ids, **kwargs):  # step 3's rewards come from a thread pool
+    calls.append(1)
+    if len(calls) == 3:
+        with ThreadPoolExecutor(2) as pool:  # leaving the block waits for the threads, signal or not
+            return list(pool.map(judge, completions))
+    return t.short_is_good(completion_ids)
+t.make_trainer(Path({tmp!r}), pooled, max_steps=4, save_steps=100).train()
+"""
+
+
+def test_sigterm_writes_the_checkpoint_at_once_even_if_user_code_then_waits_for_its_threads(tmp_path,
+                                                                                           child_at):
+    """A reward function in a `with ThreadPoolExecutor` block: the signal's exception waits in the block's
+    end for the 60 s threads, and a scheduler's SIGKILL comes before them. checkpoint-2 is written at once."""
+    flag = tmp_path / "judging"
+    script = A_REWARD_WAITING_FOR_ITS_THREADS.format(flag=str(flag), tmp=str(tmp_path))
+    with child_at(flag, script) as process:
+        process.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline and not checkpoints(tmp_path / "out"):
+            time.sleep(0.2)
+    assert checkpoints(tmp_path / "out") == ["checkpoint-2"]
+
+
+
+A_REWARD_THAT_SWALLOWS_THE_SIGNAL = """
+import time
+from pathlib import Path
+import test_grpo_long_runs as t
+calls = []
+def grader(completion_ids, **kwargs):  # step 3's call: a bare except turns the signal's exit into a 0 reward
+    calls.append(1)
+    if len(calls) == 3:
+        try:
+            open({flag!r}, "w").close()
+            time.sleep(60)
+        except:
+            return [0.0] * len(completion_ids)
+    return t.short_is_good(completion_ids)
+t.make_trainer(Path({tmp!r}), grader, max_steps=4, save_steps=100).train()
+"""
+
+
+def test_a_reward_that_swallows_the_signal_does_not_make_its_step_train(tmp_path, child_at):
+    """The signal wins over a result made after it: step 3 never trains on the fake 0 rewards."""
+    flag = tmp_path / "grading"
+    script = A_REWARD_THAT_SWALLOWS_THE_SIGNAL.format(flag=str(flag), tmp=str(tmp_path))
+    code, seconds = run_until(child_at, script, flag, signal.SIGTERM)
+    assert code == 143 and seconds < 20, (code, seconds)
+    assert checkpoints(tmp_path / "out") == ["checkpoint-2"]
+    assert [r["step"] for r in metrics_of(tmp_path / "out")] == [1, 2]
+
+
+def failing_at_step_2(trainer, part, monkeypatch):
+    """The trainer, with its evaluation, its log() or its tracker raising at step 2, after the update."""
+    def fail(original):
+        def wrapped(*args):
+            if trainer.step == 2:
+                raise ConnectionError(f"the {part} failed")
+            return original(*args)
+        return wrapped
+    if part == "evaluation":
+        trainer.evaluate = fail(trainer.evaluate)
+    if part == "log":
+        trainer.log = fail(trainer.log)
+    if part == "tracker":
+        monkeypatch.setattr(lr.Tracker, "log", fail(lr.Tracker.log))
+    return trainer
+
+
+@pytest.mark.parametrize("part", ["evaluation", "log", "tracker"])
+def test_a_step_whose_evaluation_log_or_tracker_fails_keeps_its_row_and_checkpoint(tmp_path, part,
+                                                                                    monkeypatch):
+    """Step 2's update is done when its evaluation, log() or tracker fails: its row (without the evaluation's
+    metrics, which never came) is in metrics.jsonl and checkpoint-2 holds it; the resumed run goes on."""
+    options = dict(max_steps=4, save_steps=100, eval_strategy="steps", eval_steps=2, report_to="tensorboard",
+                   eval_dataset=Dataset.from_dict({"prompt": EVAL_PROMPTS}))
+    with pytest.raises(ConnectionError, match=f"the {part} failed"):
+        failing_at_step_2(make_trainer(tmp_path, **options), part, monkeypatch).train()
+    assert checkpoints(tmp_path / "out") == ["checkpoint-2"]
+    assert [r["step"] for r in metrics_of(tmp_path / "out")] == [1, 2]
+    monkeypatch.undo()
+    make_trainer(tmp_path, **options).train(resume_from_checkpoint=True)
+    assert [r["step"] for r in metrics_of(tmp_path / "out")] == [1, 2, 3, 4]
+
+
+RANK_0_FAILS_ALONE = """
+import os, sys
+from pathlib import Path
+os.environ.update(RANK=sys.argv[1], LOCAL_RANK=sys.argv[1], WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                  MASTER_PORT="{port}")
+import test_grpo_long_runs as t, grpo_multistep as gm
+trainer = t.make_trainer(Path({tmp!r}), max_steps=4, save_steps=100, num_iterations=2)
+def failing(function, step):  # rank 0's log() (its trackers') or final save fails, once at `step`
+    def wrapped(*args):
+        if trainer.rank == 0 and trainer.step == step:
+            open({flag!r}, "w").close()
+            raise ConnectionError("rank 0 failed alone")
+        return function(*args)
+    return wrapped
+if {part!r} == "log":
+    trainer.log = failing(trainer.log, 3)
+else:
+    gm.save_final_model = failing(gm.save_final_model, 4)
+trainer.train()
+t.torch.distributed.destroy_process_group()
+"""
+
+
+@pytest.mark.parametrize("part,step", [("log", 3), ("final save", 4)])
+def test_a_failure_in_code_only_rank_0_runs_ends_every_rank_quickly_with_a_checkpoint(tmp_path, part, step):
+    """Two processes; rank 0's log() fails at step 3, inside a μ = 2 generation batch (rank 1 waits for it
+    in a collective, and checkpoint-3 needs rank 1's part of the batch), or its final save fails after
+    rank 1 has returned. Every rank ends within seconds, and the step's checkpoint holds both ranks' files."""
+    flag = tmp_path / "failed"
+    script = RANK_0_FAILS_ALONE.format(port=free_port(), tmp=str(tmp_path), part=part, flag=str(flag))
+    ranks = [subprocess.Popen([sys.executable, "-c", script, str(rank)], env=CHILD_ENV) for rank in (0, 1)]
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and not flag.exists():
+        time.sleep(0.1)
+    failed = time.monotonic()
+    while time.monotonic() < failed + 60 and None in [p.poll() for p in ranks]:
+        time.sleep(0.1)
+    seconds, codes = time.monotonic() - failed, [p.poll() for p in ranks]
+    for p in ranks:
+        p.kill()
+        p.wait()
+    assert codes[0] == 1 and codes[1] is not None and seconds < 20, (codes, seconds)
+    assert checkpoints(tmp_path / "out") == [f"checkpoint-{step}"]
+    files = sorted(os.listdir(tmp_path / "out" / f"checkpoint-{step}"))
+    assert "rank_0.pt" in files and "rank_1.pt" in files
+    assert [r["step"] for r in metrics_of(tmp_path / "out")] == list(range(1, step + 1))
+
+
+TORCHRUN_SLOW_LOG = """
+import time
+from pathlib import Path
+import test_grpo_long_runs as t
+trainer = t.make_trainer(Path({tmp!r}), max_steps=4, save_steps=100, per_device_train_batch_size=4,
+                         gradient_accumulation_steps=1, num_iterations=2)
+def slow_log(row):  # rank 0's log of step 3 takes 60 s; rank 1 waits for it in a collective
+    if trainer.rank == 0 and row["step"] == 3:
+        open({flag!r}, "w").close()
+        time.sleep(60)
+    t.GRPOTrainer.log(trainer, row)
+trainer.log = slow_log
+trainer.train()
+"""
+
+
+def test_sigterm_to_torchrun_during_rank_0s_60_s_log_stops_every_rank_with_the_steps_checkpoint(tmp_path,
+                                                                                              child_at):
+    """torchrun forwards SIGTERM to both processes: rank 0 is in a 60 s log() of step 3, rank 1 waits for it
+    in a collective. Both exit within seconds; step 3's row is written and checkpoint-3 holds both ranks'
+    parts of the generation batch."""
+    worker, flag = tmp_path / "worker.py", tmp_path / "logging"
+    worker.write_text(TORCHRUN_SLOW_LOG.format(flag=str(flag), tmp=str(tmp_path)))
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+               str(worker)]
+    code, seconds = run_until(child_at, None, flag, signal.SIGTERM, command=command)
+    assert code != 0 and seconds < 20, (code, seconds)
+    assert checkpoints(tmp_path / "out") == ["checkpoint-3"]
+    files = sorted(os.listdir(tmp_path / "out" / "checkpoint-3"))
+    assert "rank_0.pt" in files and "rank_1.pt" in files
+    assert [r["step"] for r in metrics_of(tmp_path / "out")] == [1, 2, 3]
+
+
+# ---- Resume checks that stay cheap, and what user code may log -------------------------------------------
+def test_a_checkpoint_that_trains_other_tensors_is_refused_by_name_before_anything_loads(tmp_path):
+    """Same names and shapes in model.safetensors, but another set of trained tensors: AdamW's state would be
+    matched by position (fused AdamW then reads past a tensor's end). The tensors are named, nothing loads."""
+    def frozen(*modules):  # the tiny model, with these modules' weights frozen
+        model = make_model(make_tokenizer())
+        for name in modules:
+            model.get_submodule(name).requires_grad_(False)
+        return model
+    make_trainer(tmp_path, model=frozen("model.embed_tokens"), max_steps=1).train()
+    for modules in (["lm_head"], ["model.embed_tokens", "model.norm"]):  # as many trained tensors, or fewer
+        other = make_trainer(tmp_path, model=frozen(*modules), max_steps=2)
+        before = {k: v.clone() for k, v in other.model.state_dict().items()}
+        with pytest.raises(ValueError, match=r"optimizer.pt in .* trains other tensors: .*(lm_head|norm)"):
+            other.train(resume_from_checkpoint=True)
+        assert all(torch.equal(v, before[k]) for k, v in other.model.state_dict().items())
+
+
+def test_a_batch_cached_with_beta_0_gets_pi_refs_log_probs_when_resumed_with_beta_above_0(tmp_path):
+    """checkpoint-3 falls inside a μ = 2 generation batch cached with β = 0, so without π_ref's log-probs.
+    Resumed with β = 0.04 (allowed: β does not change the batch shape), they are computed from π_ref, which
+    never changes: the step trains with the KL term as if the batch had cached them."""
+    trainer = make_trainer(tmp_path, max_steps=4, save_steps=100, num_iterations=2)
+    with pytest.raises(KeyboardInterrupt):
+        interrupted_after_step(3, trainer).train()
+    make_trainer(tmp_path, max_steps=4, num_iterations=2, beta=0.04).train(resume_from_checkpoint=True)
+    rows = metrics_of(tmp_path / "out")
+    assert [r["step"] for r in rows] == [1, 2, 3, 4] and rows[3]["kl"] >= 0 and "kl" not in rows[2]
+
+
+def test_a_row_that_user_code_logs_is_logged_at_the_current_step_and_never_breaks_a_resume(tmp_path):
+    """HF's habit: trainer.log({...}) from user code, here a reward function. The row gets the current step,
+    as in HF's Trainer, for metrics.jsonl and the trackers; a resume keeps the rows up to its step."""
+    holder = []
+    def noting_reward(completion_ids, **kwargs):
+        holder[0].log({"note": 1.0})
+        return short_is_good(completion_ids)
+    holder.append(make_trainer(tmp_path, noting_reward, max_steps=2, save_steps=1, report_to="tensorboard"))
+    holder[0].train()
+    holder[0] = make_trainer(tmp_path, noting_reward, max_steps=3, report_to="tensorboard")
+    holder[0].train(resume_from_checkpoint=True)
+    steps = [(r["step"], "note" in r) for r in metrics_of(tmp_path / "out")]
+    assert steps == [(0, True), (1, False), (1, True), (2, False), (2, True), (3, False)]
+
+
+# ---- TensorBoard: one history per output_dir ------------------------------------------------------------
+def logged_steps(out, tag="loss"):
+    """The steps at which TensorBoard shows `tag`, over every event folder in out/runs."""
+    event_accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
+    steps = []
+    for run in sorted((out / "runs").iterdir()):
+        events = event_accumulator.EventAccumulator(str(run), size_guidance={"scalars": 0})
+        events.Reload()
+        steps += [e.step for e in events.Scalars(tag)]
+    return steps
+
+
+def test_a_resume_shows_each_step_once_in_tensorboard(tmp_path):
+    """A resume from checkpoint-2 of a 4-step run goes on in the run's event folder, with the steps after 2
+    purged: TensorBoard shows the new timeline's steps 3 and 4, not the abandoned ones as well."""
+    make_trainer(tmp_path, max_steps=4, save_steps=2, report_to="tensorboard").train()
+    make_trainer(tmp_path, max_steps=4, report_to="tensorboard", learning_rate=5e-3).train(
+        resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-2"))
+    assert logged_steps(tmp_path / "out") == [1, 2, 3, 4]
+
+
+def test_a_run_that_fails_before_its_first_row_leaves_no_file_so_it_can_be_run_again(tmp_path):
+    """A failure in step 1 leaves no checkpoint to resume; TensorBoard's event folder is made at the first
+    row, so none is left either, and the same run started again is not refused."""
+    def down(completions, **kwargs):
+        raise ConnectionError("the grader is down")
+    with pytest.raises(RuntimeError, match="the grader is down"):
+        make_trainer(tmp_path, down, report_to="tensorboard").train()
+    assert os.listdir(tmp_path / "out") == []
+    make_trainer(tmp_path, report_to="tensorboard").train()
+    assert logged_steps(tmp_path / "out") == [1, 2]
+
+
+def test_a_damaged_checkpoint_is_named_and_resume_true_falls_back_to_the_one_before(tmp_path, capsys):
+    """A file cut short (a full disk) or damaged is named with its path before anything loads. resume=True
+    says so and resumes from the newest checkpoint that reads whole; the damaged ones are set aside."""
+    make_trainer(tmp_path, max_steps=3, save_steps=1).train()
+    out = tmp_path / "out"
+    (out / "checkpoint-3" / "trainer_state.json").write_text('{"step": 3, "wor')
+    weights = out / "checkpoint-2" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-100])
+    with pytest.raises(ValueError, match=r"trainer_state.json in .*checkpoint-3.* is damaged: JSONDecode"):
+        make_trainer(tmp_path, max_steps=4).train(resume_from_checkpoint=str(out / "checkpoint-3"))
+    make_trainer(tmp_path, max_steps=4).train(resume_from_checkpoint=True)
+    said = capsys.readouterr().out
+    assert "checkpoint-3' is damaged" in said and "model.safetensors in" in said
+    assert [r["step"] for r in metrics_of(out)] == [1, 2, 3, 4]
+    assert {"checkpoint-2.abandoned", "checkpoint-3.abandoned"} <= set(os.listdir(out))
