@@ -147,9 +147,8 @@ class GRPOTrainer(core.GRPOTrainer):
         check_types(args)  # Fields may have changed since the trainer was made.
         check_report_to(args)
         check_rewards(self)
-        n = len(self.eval_dataset or [])  # Else the processes would run different numbers of collectives.
-        require(args.eval_strategy == "no" or n % self.world_size == 0, f"eval_dataset's {n} prompts do not "
-                f"split evenly over {self.world_size} processes")
+        if args.eval_strategy == "steps":
+            check_eval_split(self)
         require(args.beta == 0 or self.ref_model is not None, "beta was 0 when the trainer was made, so it "
                 "has no reference model: make a new trainer")
         self.model.activation_checkpointing_disable()  # As the config says now.
@@ -258,6 +257,7 @@ class GRPOTrainer(core.GRPOTrainer):
         return x
 
     def evaluate(self):
+        check_eval_split(self)  # Called by a user too, not only by train().
         start = time.perf_counter()
         metrics = super().evaluate()
         metrics["time_eval"] = time.perf_counter() - start
@@ -294,7 +294,10 @@ class GRPOTrainer(core.GRPOTrainer):
             tmp = os.path.join(self.args.output_dir, f"checkpoint-{self.step}.tmp")
             if self.rank == 0:
                 wait_for_files([os.path.join(tmp, f"rank_{r}.pt") for r in range(1, self.world_size)])
-            super().save_checkpoint()
+            try:
+                super().save_checkpoint()
+            except (OSError, RuntimeError) as e:  # On a full disk torch.save says only "iostream error".
+                raise OSError(f"writing {tmp} failed (a full disk?): {e}") from e
             self.checkpointed = self.step
             limit = self.args.save_total_limit
             if self.rank == 0 and limit is not None:
@@ -303,6 +306,12 @@ class GRPOTrainer(core.GRPOTrainer):
 
 
 PHASES = ("generate", "logps", "forward", "backward", "optimizer")
+
+
+def check_eval_split(trainer):  # Each process takes an equal share, else their collectives would not match.
+    n = len(trainer.eval_dataset or [])
+    require(n % trainer.world_size == 0, f"eval_dataset's {n} prompts do not split evenly over "
+            f"{trainer.world_size} processes")
 
 
 def lap(trainer):  # Now, with a GPU's queued work done: time measures the work, not its launch.

@@ -1061,7 +1061,7 @@ import os, sys
 from pathlib import Path
 os.environ.update(RANK=sys.argv[1], LOCAL_RANK=sys.argv[1], WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
                   MASTER_PORT="{port}")
-import test_grpo_long_runs as t, grpo_multistep as gm
+import test_grpo_long_runs as t
 trainer = t.make_trainer(Path({tmp!r}), max_steps=4, save_steps=100, num_iterations=2)
 def failing(function, step):  # rank 0's log() (its trackers') or final save fails, once at `step`
     def wrapped(*args):
@@ -1073,7 +1073,7 @@ def failing(function, step):  # rank 0's log() (its trackers') or final save fai
 if {part!r} == "log":
     trainer.log = failing(trainer.log, 3)
 else:
-    gm.save_final_model = failing(gm.save_final_model, 4)
+    trainer.save_final_model = failing(trainer.save_final_model, 4)
 trainer.train()
 t.torch.distributed.destroy_process_group()
 """
@@ -1198,6 +1198,7 @@ def test_a_resume_shows_each_step_once_in_tensorboard(tmp_path):
     """A resume from checkpoint-2 of a 4-step run goes on in the run's event folder, with the steps after 2
     purged: TensorBoard shows the new timeline's steps 3 and 4, not the abandoned ones as well."""
     make_trainer(tmp_path, max_steps=4, save_steps=2, report_to="tensorboard").train()
+    time.sleep(1.1)  # Event files sort by the second they were made in, as two real runs' do.
     make_trainer(tmp_path, max_steps=4, report_to="tensorboard", learning_rate=5e-3).train(
         resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-2"))
     assert logged_steps(tmp_path / "out") == [1, 2, 3, 4]
@@ -1230,3 +1231,24 @@ def test_a_damaged_checkpoint_is_named_and_resume_true_falls_back_to_the_one_bef
     assert "checkpoint-3' is damaged" in said and "model.safetensors in" in said
     assert [r["step"] for r in metrics_of(out)] == [1, 2, 3, 4]
     assert {"checkpoint-2.abandoned", "checkpoint-3.abandoned"} <= set(os.listdir(out))
+
+
+def test_an_eval_set_that_does_not_split_over_the_processes_is_refused_by_evaluate_too(tmp_path):
+    """trainer.evaluate(), called by a user, checks what train() checks: uneven shares would leave one
+    process waiting in a collective that the other never joins."""
+    trainer = make_trainer(tmp_path, eval_dataset=Dataset.from_dict({"prompt": EVAL_PROMPTS[:3]}))
+    trainer.world_size = 2  # As under torchrun; the check comes before any collective.
+    with pytest.raises(ValueError, match="3 prompts do not split evenly over 2 processes"):
+        trainer.evaluate()
+
+
+def test_a_checkpoint_write_that_fails_as_on_a_full_disk_says_so_with_its_folder(tmp_path, monkeypatch):
+    """torch.save reports a full disk as "basic_ios::clear: iostream error", which never says "disk"."""
+    save = torch.save
+    def full_disk(obj, path, *args, **kwargs):
+        if str(path).endswith("optimizer.pt"):
+            raise RuntimeError("basic_ios::clear: iostream error")
+        save(obj, path, *args, **kwargs)
+    monkeypatch.setattr(torch, "save", full_disk)
+    with pytest.raises(OSError, match=r"writing .*checkpoint-1.tmp failed \(a full disk\?\)"):
+        make_trainer(tmp_path, save_steps=1).train()
