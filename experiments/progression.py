@@ -153,8 +153,8 @@ GROUP, PROMPTS_PER_STEP = 8, 2  # completions per prompt, prompts per mini-batch
 STEP_SIZE = GROUP * PROMPTS_PER_STEP
 CONFIG = dict(ad.CONFIG, per_device_train_batch_size=STEP_SIZE, max_completion_length=MAX_COMPLETION)
 ARMS = {arm: ad.ARMS[arm] for arm in ("μ=1", "μ=2", "μ=4")}
-# Held-out scores after this many mini-batches of 32 completions, and the budget of the question.
-EVALS, BUDGET = (8, 16, 32, 64, 128), 128
+# Held-out scores after this many mini-batches of 16 completions, and the budget of the question.
+EVALS, BUDGET = (8, 16, 32, 64), 64
 
 
 class Reward(ad.Reward):
