@@ -85,7 +85,7 @@ def test_accuracy_at_cpu_seconds_is_read_linearly_between_evaluations():
 def test_per_second_pairs_each_seed_with_its_own_mu_1_time():
     runs = {}
     for seed, base_seconds in ((101, 20.0), (102, 25.0)):
-        runs["confirm", "μ=1", 5e-5, seed] = run("μ=1", 5e-5, seed, [(128, base_seconds, 0.5)])
+        runs["confirm", "μ=1", 5e-5, seed] = run("μ=1", 5e-5, seed, [(pr.BUDGET, base_seconds, 0.5)])
         runs["confirm", "μ=4", 1e-5, seed] = run("μ=4", 1e-5, seed, [(64, 20.0, 0.4), (128, 40.0, 0.6)])
     found, beyond = prr.per_second(runs, "μ=4", 1e-5, 5e-5, 0.3)
     assert found == pytest.approx({101: 0.4, 102: 0.45}) and beyond == []
@@ -104,19 +104,20 @@ def test_generation_shares_from_the_trainers_seconds_and_cpu_time():
 
 
 def confirmation_runs():
-    """Three seeds. μ = 1 reaches 0.40, 0.41, 0.42 at the budget in 20 CPU s. μ = 2 (rate 2.5e-5) reaches
-    it + 0.01, 0.02, 0.03 at the budget in 30 s, and at 64 mini-batches (20 s) it - 0.03, 0.02, 0.01 below:
-    per step and per CPU second both read the same rows."""
+    """Three seeds. μ = 1 reaches 0.40, 0.41, 0.42 at the budget (64 mini-batches) in 20 CPU s. μ = 2 (rate
+    2.5e-5) reaches it + 0.01, 0.02, 0.03 at the budget in 30 s, and at 32 mini-batches (20 s) 0.03, 0.02,
+    0.01 below it: per step and per CPU second both read the same rows. μ = 4 reads -0.01, 0, +0.01 at 16
+    mini-batches (20 s) and at the budget."""
     runs = {}
     for i, seed in enumerate((101, 102, 103)):
         base = 0.40 + i / 100
-        runs["confirm", "μ=1", 5e-5, seed] = run("μ=1", 5e-5, seed, [(64, 10.0, base - 0.02),
-                                                                       (128, 20.0, base)])
-        runs["confirm", "μ=2", 2.5e-5, seed] = run("μ=2", 2.5e-5, seed, [(32, 10.0, base - 0.05),
-                                                                          (64, 20.0, base - 0.03 + i / 100),
-                                                                          (128, 30.0, base + 0.01 + i / 100)])
-        runs["confirm", "μ=4", 1e-5, seed] = run("μ=4", 1e-5, seed, [(32, 20.0, base + (i - 1) / 100),
-                                                                       (128, 50.0, base + (i - 1) / 100)])
+        runs["confirm", "μ=1", 5e-5, seed] = run("μ=1", 5e-5, seed, [(32, 10.0, base - 0.02),
+                                                                       (64, 20.0, base)])
+        runs["confirm", "μ=2", 2.5e-5, seed] = run("μ=2", 2.5e-5, seed, [(16, 10.0, base - 0.05),
+                                                                          (32, 20.0, base - 0.03 + i / 100),
+                                                                          (64, 30.0, base + 0.01 + i / 100)])
+        runs["confirm", "μ=4", 1e-5, seed] = run("μ=4", 1e-5, seed, [(16, 20.0, base + (i - 1) / 100),
+                                                                       (64, 50.0, base + (i - 1) / 100)])
     return runs
 
 
@@ -150,18 +151,18 @@ def test_a_paired_mean_of_exactly_zero_has_p_1():
 
 
 def test_the_break_even_share_on_a_toy_curve(monkeypatch):
-    """μ = 1's mean curve climbs 2 points from 1,024 to 2,048 completions. μ = 2 is +2 [+1, +3] points: μ = 1
-    needs c = 2 [√2, 2√2] times the completions (the last doubling extended past 2,048). l: μ = 2's π_old
-    pass, 1 s over 256 mini-batches, against μ = 1's update, 4 s over 256: 0.25. g* = (2.25 - c)/1.25 =
+    """μ = 1's mean curve climbs 2 points from 512 to 1,024 completions. μ = 2 is +2 [+1, +3] points: μ = 1
+    needs c = 2 [√2, 2√2] times the completions (the last doubling extended past 1,024). l: μ = 2's π_old
+    pass, 1 s over 128 mini-batches, against μ = 1's update, 4 s over 128: 0.25. g* = (2.25 - c)/1.25 =
     0.2 [-0.46, 0.67]."""
     monkeypatch.setattr(pr, "chosen_rates", lambda rows: {"μ=1": 5e-5, "μ=2": 2.5e-5, "μ=4": 1e-5})
     runs = {}
     time = {"generate": 3.0, "forward": 0.5, "backward": 0.4, "optimizer": 0.1, "cpu_generate": 2.7,
             "logps": 0.0}
     for seed in (101, 102):
-        runs["confirm", "μ=1", 5e-5, seed] = run("μ=1", 5e-5, seed, [(64, 10.0, 0.38), (128, 20.0, 0.40)],
+        runs["confirm", "μ=1", 5e-5, seed] = run("μ=1", 5e-5, seed, [(32, 10.0, 0.38), (64, 20.0, 0.40)],
                                                  time)
-        runs["confirm", "μ=2", 2.5e-5, seed] = run("μ=2", 2.5e-5, seed, [(128, 30.0, 0.42)], {"logps": 0.5})
+        runs["confirm", "μ=2", 2.5e-5, seed] = run("μ=2", 2.5e-5, seed, [(64, 30.0, 0.42)], {"logps": 0.5})
     summary = {"arms": {"μ=1": {"rate": 5e-5, "cpu_seconds": 20.0}, "μ=2": {"cpu_seconds": 30.0}},
                "readings": {"per completion, μ=2": {"mean": 0.02, "low": 0.01, "high": 0.03}}}
     lines, out = prr.timing_section(runs, summary)
