@@ -106,6 +106,15 @@ def mean_curve(runs, lr):
     return curve
 
 
+def rising_tail(curve):
+    """The curve's last points along which accuracy rises strictly, ending at its last: log2(completions)
+    is read as a function of accuracy only where each accuracy has one number of completions."""
+    start = len(curve) - 1
+    while start > 0 and curve[start - 1][1] < curve[start][1]:
+        start -= 1
+    return curve[start:]
+
+
 def median_seconds(runs, phase, arm, lr, batches):
     """The median training CPU seconds to spend `batches` mini-batches over the phase's runs of (arm, lr)."""
     values = list(by_seed(runs, phase, arm, lr, batches, "cpu_seconds").values())
@@ -205,7 +214,7 @@ def timing_section(runs, summary):
     if not measured or "old" not in measured:
         return [], {}
     chosen_mu1 = summary["arms"]["μ=1"]["rate"]
-    curve = mean_curve(runs, chosen_mu1)
+    curve = rising_tail(mean_curve(runs, chosen_mu1))
     budget = pr.BUDGET * pr.STEP_SIZE
     lines = ["## Generation's share, and TRL PR #2899's terms", "",
              "Generation's share of a μ = 1 step, from the confirmation's μ = 1 runs: "
@@ -215,8 +224,8 @@ def timing_section(runs, summary):
              "whole step's, which also holds the rewards, the advantages and the batching); the π_old pass "
              f"of a μ > 1 mini-batch against μ = 1's update: l = {measured['old']:.2f}.", "",
              "c: the completions μ = 1 needs to reach each arm's mean accuracy at the budget, over the "
-             "arm's, on "
-             "μ = 1's mean curve with log2(completions) linear in accuracy between evaluations (past "
+             "arm's, on μ = 1's mean curve (its last evaluations, along which it rises) with "
+             "log2(completions) linear in accuracy between evaluations (past "
              f"{budget:,} along the last segment: an extrapolation, *); its interval carries the ends of the "
              "Holm-corrected per-completion interval through the same curve, taken as exact. g* = (μ + l − c)"
              "/(μ + l − 1): the cost model's generation share above which the arm pays per second. Beside "

@@ -65,7 +65,7 @@ def test_one_short_run_writes_its_rows_with_generation_cpu_seconds(tmp_path):
     assert 0 < row["time"]["cpu_generate"] < row["cpu_seconds"] and "greedy" not in row
 
 
-# ---- The report, on rows whose numbers are known ------------------------------------------------------------
+# ---- The report, on rows whose numbers are known ---------------------------------------------------------
 def run(arm, lr, seed, points, time=None, phase="confirm"):
     """A finished run's rows: points [(mini-batches, cpu_seconds, accuracy)], greedy = accuracy + 0.3."""
     return [{"phase": phase, "arm": arm, "lr": lr, "seed": seed, "attempt": "a", "code": "c",
@@ -148,6 +148,12 @@ def test_the_six_comparisons_are_one_holm_family(monkeypatch):
 def test_a_paired_mean_of_exactly_zero_has_p_1():
     assert rep.t_interval([-0.01, 0.0, 0.01])["p"] == 1.0
     assert rep.t_interval([-0.01, 0.0, 0.02])["p"] == pytest.approx(1 - 1 / math.sqrt(1 + 2 * 7), rel=1e-5)
+
+
+def test_the_curve_is_read_where_it_rises():
+    curve = [(128, 0.36), (256, 0.33), (512, 0.35), (1024, 0.40)]
+    assert prr.rising_tail(curve) == curve[1:]
+    assert prr.rising_tail([(128, 0.3), (256, 0.4)]) == [(128, 0.3), (256, 0.4)]
 
 
 def test_the_break_even_share_on_a_toy_curve(monkeypatch):
