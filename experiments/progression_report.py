@@ -175,8 +175,9 @@ def confirmation_section(rows, runs, start):
     lines += ["", "Δ against μ = 1, paired by seed, in points: the plan's six comparisons (three readings × "
               "two arms) corrected together by Holm's step-down method (the k-th smallest p-value's interval "
               "at 1 − 0.05/(6 − k + 1), held from the first that Holm does not reject), the uncorrected 95 % "
-              "interval beside; greedy's two comparisons are a family of their own. Per step: μ = 2 after 64 "
-              "mini-batches, μ = 4 after 32 (128 optimizer steps, μ = 1's). Per CPU second: the arm's "
+              "interval beside; greedy's two comparisons are a family of their own. Per step: μ = 2 after "
+              f"{pr.BUDGET // 2} mini-batches, μ = 4 after {pr.BUDGET // 4} ({pr.BUDGET} optimizer steps, "
+              "μ = 1's). Per CPU second: the arm's "
               "accuracy at the CPU seconds that the same seed's μ = 1 took to spend the budget, linear "
               "between the arm's evaluations.", "",
               "| reading | arm | seeds | Δ, Holm | Δ uncorrected | Δ median | p (Holm) | reading |",
