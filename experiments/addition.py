@@ -165,12 +165,12 @@ EVAL_SEED, EVAL_SAMPLES, MAX_COMPLETION = 1234, 2, 6
 GREEDY_T = 1e-4  # "greedy": the same sampler at T = 1e-4, where a second token's chance is e^-(1e4 · gap)
 
 
-def completions_of(model, tokenizer, prompts, samples, temperature, seed):
+def completions_of(model, tokenizer, prompts, samples, temperature, seed, max_completion=MAX_COMPLETION):
     """`samples` completions per prompt, decoded as the trainer decodes them (up to and including the first
     EOS, special tokens skipped), from `seed` inside fork_rng: the caller's random stream goes on as if
     nothing had been drawn."""
     args = long_runs.GRPOConfig(output_dir=tempfile.gettempdir(), num_generations=samples,
-                         max_completion_length=MAX_COMPLETION, temperature=temperature)
+                         max_completion_length=max_completion, temperature=temperature)
     ids, mask = gm.tokenize_prompts(tokenizer, prompts, None)
     eos = torch.tensor([tokenizer.eos_token_id])
     was_training = model.training
@@ -255,10 +255,12 @@ def token_logps(model, prompt_ids, prompt_mask, completion_ids, completion_mask,
 class Reward:
     """The reward function the trainer calls, which also keeps each generation batch's completions and
     π_old's log-probs of them (the policy that sampled them: no update has been made since) for the
-    diagnostics of the steps that reuse them. The trainer sees a function named after the reward."""
+    diagnostics of the steps that reuse them. The trainer sees a function named after the reward. Another
+    testbed changes its class attributes: its rewards, and its mini-batch's size."""
+    rewards, step_size, diag_rows = REWARDS, STEP_SIZE, DIAG_ROWS
 
     def __init__(self, name, trainer_args):
-        self.reward, self.__name__, self.args = REWARDS[name], REWARDS[name].__name__, trainer_args
+        self.reward, self.__name__, self.args = self.rewards[name], self.rewards[name].__name__, trainer_args
         self.model, self.tokenizer, self.batch = None, None, None
         self.seconds, self.cpu_seconds = 0.0, 0.0  # spent keeping π_old's log-probs: not training's time
 
@@ -270,7 +272,7 @@ class Reward:
     def keep(self, prompts, completion_ids):
         """The first DIAG_ROWS completions (DIAG_ROWS / 8 prompts' groups) of each mini-batch of 64."""
         start, cpu = time.perf_counter(), time.process_time()
-        rows = [i for i in range(len(prompts)) if i % STEP_SIZE < DIAG_ROWS]
+        rows = [i for i in range(len(prompts)) if i % self.step_size < self.diag_rows]
         prompt_ids, prompt_mask = gm.tokenize_prompts(self.tokenizer, [prompts[i] for i in rows], None)
         kept = [completion_ids[i] for i in rows]
         width = max(map(len, kept))
@@ -286,7 +288,8 @@ class Reward:
         """On the kept completions of mini-batch `mini_batch`, under the current policy π_θ: the k3 estimate
         of KL(π_old ‖ π_θ) (completions sampled from π_old; ρ = π_θ / π_old; k3 = ρ - 1 - log ρ), a token
         mean, and the share of tokens whose ρ lies outside [0.8, 1.2] (ε = 0.2's range)."""
-        b = {k: v[mini_batch * DIAG_ROWS:(mini_batch + 1) * DIAG_ROWS] for k, v in self.batch.items()}
+        rows = self.diag_rows
+        b = {k: v[mini_batch * rows:(mini_batch + 1) * rows] for k, v in self.batch.items()}
         logps = token_logps(self.model, b["prompt_ids"], b["prompt_mask"], b["ids"], b["mask"],
                             self.args.temperature)
         log_ratio = (logps - b["old"]) * b["mask"]
@@ -300,12 +303,13 @@ class Recorder:
     """A run's rows. At each step it keeps the step's diagnostics by its place in the generation batch (j =
     the updates made since its completions were sampled); at each of EVALS it writes one row: the held-out
     accuracy and the diagnostics' means since the last row. Its own object, so that no name of it can
-    shadow one of the trainer's."""
+    shadow one of the trainer's. Another testbed changes its class attributes and its score."""
+    eval_batches, budgets, step_size = EVALS, BUDGETS, STEP_SIZE
 
     def __init__(self, tags, reward, held_out, rows_path):
         self.tags, self.reward, self.held_out, self.rows_path = tags, reward, held_out, rows_path
         self.S, self.cycle = cycle(tags["arm"])
-        self.evals = {steps_at(tags["arm"], k): k for k in EVALS}
+        self.evals = {steps_at(tags["arm"], k): k for k in self.eval_batches}
         self.steps = 0  # counted here: log() is called once a step (logging_steps=1)
         self.pending = (0.0, 0.0)  # the next step's drift, measured before it
         # Seconds spent outside training (scoring, diagnostics), taken off the clocks: the wall clock, and
@@ -328,8 +332,9 @@ class Recorder:
         w["kl"][j].append(self.pending[0])
         w["outside"][j].append(self.pending[1])
         for name in ("reward", "length"):
-            if metric(metrics, name) is not None:  # on the steps that generated
-                w[name].append(metric(metrics, name))
+            value = metric(metrics, name)
+            if value is not None and value == value:  # on the steps that generated (else None, or NaN)
+                w[name].append(value)
         for name, seconds in metrics.items():  # the trainer's seconds per phase, where it logs them
             if name.startswith("time_"):
                 w["time"][name[5:]] = w["time"].get(name[5:], 0.0) + seconds
@@ -345,7 +350,7 @@ class Recorder:
 
     def write_row(self, trainer, step, metrics):
         w, mean = self.window, lambda xs: statistics.mean(xs) if xs else None
-        row = {**self.tags, "step": step, "completions": self.evals[step] * STEP_SIZE,
+        row = {**self.tags, "step": step, "completions": self.evals[step] * self.step_size,
                "seconds": round(time.perf_counter() - self.clock - self.extra - self.reward.seconds, 3),
                "cpu_seconds": round(time.process_time() - self.cpu_clock - self.cpu_extra
                                     - self.reward.cpu_seconds, 3),
@@ -353,12 +358,16 @@ class Recorder:
                "clip": [mean(x) for x in w["clip"]], "kl": [mean(x) for x in w["kl"]],
                "outside": [mean(x) for x in w["outside"]], "entropy": metric(metrics, "entropy"),
                "time": {**w["time"], "kept": self.reward.seconds - w["kept"]},
-               "accuracy": accuracy(trainer.model, trainer.tokenizer, self.held_out)}
-        if self.evals[step] in BUDGETS:
-            row["greedy"] = accuracy(trainer.model, trainer.tokenizer, self.held_out, temperature=GREEDY_T)
+               "accuracy": self.score(trainer.model, trainer.tokenizer, 1.0)}
+        if self.evals[step] in self.budgets:
+            row["greedy"] = self.score(trainer.model, trainer.tokenizer, GREEDY_T)
         row["end"] = step == trainer.args.max_steps
         append(self.rows_path, row)
         self.window = self.empty_window()
+
+    def score(self, model, tokenizer, temperature):
+        """Held-out accuracy at the temperature (1: the plan's score; GREEDY_T: greedy)."""
+        return accuracy(model, tokenizer, self.held_out, temperature=temperature)
 
 
 class Run(long_runs.GRPOTrainer):
@@ -509,12 +518,12 @@ def git(*args):
 CODE = ["grpo_multistep.py", "grpo_long_runs.py", "experiments/addition.py", "experiments/addition_model"]
 
 
-def code_version():
+def code_version(code=CODE):
     """{"commit": HEAD, "code": a hash of the committed trainer, testbed and starting model}; refused while
     any of them has uncommitted changes: a row must name the code that made it."""
-    dirty = git("status", "--porcelain", "--", *CODE)
+    dirty = git("status", "--porcelain", "--", *code)
     require(not dirty, f"uncommitted changes to the code that runs: commit them first\n{dirty}")
-    blobs = git("rev-parse", *[f"HEAD:{p}" for p in CODE])
+    blobs = git("rev-parse", *[f"HEAD:{p}" for p in code])
     return {"commit": git("rev-parse", "HEAD"), "code": hashlib.sha1(blobs.encode()).hexdigest()[:12]}
 
 
@@ -545,16 +554,18 @@ def alive(pid):
     return True
 
 
-def claim_next(phases, rows_path, claims_path):
+def claim_next(phases, rows_path, claims_path, planned=None):
     """(phase, arm, lr, seed): the first run of the phases, in order, that no attempt has finished and no
     live worker has claimed, now claimed by this process; None when none is left; "wait" while another
-    worker's runs may still add some (a grid extended)."""
+    worker's runs may still add some (a grid extended). `planned(phase, rows)` lists a phase's runs
+    (`tasks` unless given: another testbed's plan)."""
+    planned = planned or tasks
     with locked(claims_path + ".lock"):
         rows, claims = read(rows_path), read(claims_path)
         done = set(finished_runs(rows))
         busy = {(c["phase"], c["arm"], c["lr"], c["seed"]) for c in claims if alive(c["pid"])} - done
         for phase in phases:
-            todo = [(phase, *t) for t in tasks(phase, rows) if (phase, *t) not in done | busy]
+            todo = [(phase, *t) for t in planned(phase, rows) if (phase, *t) not in done | busy]
             if todo:
                 _, arm, lr, seed = todo[0]
                 append(claims_path, {"phase": phase, "arm": arm, "lr": lr, "seed": seed, "pid": os.getpid()})

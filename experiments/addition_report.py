@@ -55,8 +55,11 @@ def t_interval(values, level=0.95):
     error = statistics.stdev(values) / math.sqrt(n)
     ad.require(error > 0, "a t-interval needs values that differ")
     half = t_quantile((1 + level) / 2, n - 1) * error
+    p = 1.0  # a mean of exactly 0: t_tail needs x > 0
+    if mean != 0:
+        p = min(1.0, 2 * t_tail(abs(mean) / error, n - 1))
     return {"mean": mean, "low": mean - half, "high": mean + half, "median": statistics.median(values),
-            "n": n, "p": min(1.0, 2 * t_tail(abs(mean) / error, n - 1))}
+            "n": n, "p": p}
 
 
 def paired(a, b, level=0.95):
