@@ -11,14 +11,15 @@ This module adds, each by overriding a method of grpo_multistep.GRPOTrainer (no 
 - a faster log-prob pass (the LM head in chunks, a prompt's pass shared by its G completions);
 - one history per output_dir: a used one is refused unless overwrite_output_dir or a resume of its own, and
   a resume sets the abandoned timeline's later checkpoints aside;
-- inputs checked at construction: the config's types, prompts, reward functions; before a resume loads
-  anything, a checkpoint's files and trained tensors (a batch it cached with β = 0 gets π_ref's log-probs);
+- inputs checked at construction: the config's types, prompts, reward functions (two of one name get a
+  metric each); before a resume loads anything, a checkpoint's files, trained tensors and training prompts
+  (a batch it cached with β = 0 gets π_ref's log-probs);
 - report_to's trackers, model_init_kwargs, bf16, gradient_checkpointing, log_completions, save_total_limit,
   and resume_from_checkpoint=True (the newest complete checkpoint that reads whole);
 - the seconds of each phase, logged as time_<phase>.
 """
-import asyncio, contextlib, dataclasses, functools, importlib, importlib.util, inspect, json, math, numbers
-import os, shutil, signal, threading, time, typing, warnings
+import asyncio, contextlib, dataclasses, functools, hashlib, importlib, importlib.util, inspect, json, math
+import numbers, os, shutil, signal, threading, time, typing, warnings
 from collections import defaultdict
 
 import huggingface_hub, safetensors
@@ -106,8 +107,8 @@ class GRPOTrainer(core.GRPOTrainer):
         require(isinstance(args, GRPOConfig), "args must be grpo_long_runs.GRPOConfig (it has the fields "
                 f"this trainer reads), got {type(args).__module__}.{type(args).__name__}", TypeError)
         reward_funcs = check_reward_funcs(reward_funcs)
-        for name, dataset in (("train_dataset", train_dataset), ("eval_dataset", eval_dataset)):
-            check_prompts(dataset, name)
+        train_dataset = check_prompts(train_dataset, "train_dataset")
+        eval_dataset = check_prompts(eval_dataset, "eval_dataset")
         rank, world_size, device = init_distributed()
         if isinstance(model, (str, os.PathLike)):
             model, processing_class = load_model(model, processing_class, args)
@@ -140,6 +141,7 @@ class GRPOTrainer(core.GRPOTrainer):
                                                          if p.requires_grad]
         self.signal = None
         self.trackers = []
+        self.samples = []  # The last training batch's (prompt, completion, reward), for log_completions.
 
     def train(self, resume_from_checkpoint=None):
         """Checks, output_dir and trackers, then grpo_multistep's train(), keeping the finished steps."""
@@ -161,6 +163,7 @@ class GRPOTrainer(core.GRPOTrainer):
                     m.p = 0.0
                 if isinstance(getattr(m, "attention_dropout", None), float):
                     m.attention_dropout = 0.0
+        self.dataset_id = prompts_id(self.train_dataset)
         if resume_from_checkpoint is True:  # The newest complete checkpoint in output_dir that reads whole.
             found = list_checkpoints(args.output_dir)
             require(found, f"{args.output_dir!r} holds no checkpoint to resume: start a fresh run")
@@ -249,6 +252,8 @@ class GRPOTrainer(core.GRPOTrainer):
         infinite = result["rewards_per_func"].isinf().any(0).nonzero()[:, 0].tolist()  # NaN means None.
         names = [getattr(self.reward_funcs[i], "__name__", repr(self.reward_funcs[i])) for i in infinite]
         require(not names, f"reward functions {names} returned an infinite reward: no advantage can be taken")
+        if dataset is self.train_dataset:  # For log_completions.
+            self.samples = list(zip(result["prompts"], result["texts"], result["rewards"].tolist()))
         return result
 
     def all_reduce(self, x):
@@ -293,9 +298,17 @@ class GRPOTrainer(core.GRPOTrainer):
         with held(self):
             tmp = os.path.join(self.args.output_dir, f"checkpoint-{self.step}.tmp")
             if self.rank == 0:
-                wait_for_files([os.path.join(tmp, f"rank_{r}.pt") for r in range(1, self.world_size)])
+                done = [os.path.join(tmp, f"rank_{r}.done") for r in range(1, self.world_size)]
+                wait_for_files(done)
+                for path in done:  # Markers only: the checkpoint holds the rank_<r>.pt files.
+                    os.remove(path)
+                os.makedirs(tmp, exist_ok=True)
+                with open(os.path.join(tmp, "dataset.json"), "w") as f:  # Renamed with the rest, once whole.
+                    json.dump(self.dataset_id, f)
             try:
                 super().save_checkpoint()
+                if self.rank > 0:  # Its rank_<r>.pt is whole: rank 0 may rename the folder.
+                    open(os.path.join(tmp, f"rank_{self.rank}.done"), "w").close()
             except (OSError, RuntimeError) as e:  # On a full disk torch.save says only "iostream error".
                 raise OSError(f"writing {tmp} failed (a full disk?): {e}") from e
             self.checkpointed = self.step
@@ -309,7 +322,9 @@ PHASES = ("generate", "logps", "forward", "backward", "optimizer")
 
 
 def check_eval_split(trainer):  # Each process takes an equal share, else their collectives would not match.
-    n = len(trainer.eval_dataset or [])
+    require(trainer.eval_dataset is not None, "an evaluation (eval_strategy='steps' or evaluate()) needs an "
+            "eval_dataset")
+    n = len(trainer.eval_dataset)
     require(n % trainer.world_size == 0, f"eval_dataset's {n} prompts do not split evenly over "
             f"{trainer.world_size} processes")
 
@@ -343,6 +358,9 @@ def keep_finished_steps(trainer):
         yield
     except BaseException:
         keep_last_step(trainer)
+        rows = os.path.join(trainer.args.output_dir, "metrics.jsonl")
+        if trainer.rank == 0 and os.path.isfile(rows) and os.path.getsize(rows) == 0:
+            os.remove(rows)  # A run that failed before its first row leaves no file: it can start again.
         raise
     finally:
         trainer.holding = False
@@ -560,13 +578,17 @@ def check_checkpoint(trainer, path):
         weights_file = "adapter_model.safetensors"
         ours = importlib.import_module("peft").get_peft_model_state_dict(trainer.model)
     ranks = [f"rank_{r}.pt" for r in range(trainer.world_size)]  # Each process decides alike.
-    files = ["trainer_state.json", "optimizer.pt", weights_file, *ranks]
+    files = ["trainer_state.json", "optimizer.pt", "metrics.jsonl", weights_file, *ranks]
     missing = [f for f in files if not os.path.isfile(os.path.join(path, f))]
     require(not missing, f"{path!r} is no checkpoint of this kind of run (LoRA or not): it lacks {missing}")
     headers = functools.partial(torch.load, mmap=True, weights_only=True)  # mmap: shapes, not the tensors.
     for name in ranks:
         read(path, name, headers)
     state = read(path, "trainer_state.json", json_file)
+    if os.path.isfile(os.path.join(path, "dataset.json")):  # (grpo_multistep's checkpoints have none.)
+        then = read(path, "dataset.json", json_file)
+        require(then == trainer.dataset_id, f"{path!r} was written with other training prompts (count and "
+                f"SHA-256 then, now: {then}, {trainer.dataset_id}): it would continue another prompt order")
     shapes = read(path, weights_file, tensor_shapes)
     wrong = [k for k in shapes if k not in ours or list(ours[k].shape) != shapes[k]]
     require(not wrong, f"{weights_file} in {path!r} is another model's: {sorted(wrong)[:3]} differ in name "
@@ -611,6 +633,10 @@ def tensor_shapes(file):  # From the safetensors header alone.
         return {k: f.get_slice(k).get_shape() for k in f.keys()}
 
 
+def prompts_id(dataset):  # The training prompts' count and SHA-256: a resume checks that they are the same.
+    return [len(dataset), hashlib.sha256(json.dumps(list(dataset["prompt"])).encode()).hexdigest()]
+
+
 def newest_readable(trainer, checkpoints):  # Oldest first; the oldest is left for train() to check.
     for path in reversed(checkpoints[1:]):
         try:
@@ -632,29 +658,41 @@ def check_reward_funcs(reward_funcs):
     require(not models, f"reward models {names} are not supported: pass a function that calls one", TypeError)
     require(len(funcs) > 0 and all(callable(f) for f in funcs), "reward_funcs must be a function or a "
             f"non-empty list of functions, got {reward_funcs!r}", TypeError)
-    return [checked(f) for f in funcs]
+    funcs = [checked(f) for f in funcs]
+    names = [f.__name__ for f in funcs]
+    for i, f in enumerate(funcs):  # Two functions of one name (two lambdas) keep a metric each.
+        if names.count(names[i]) > 1:
+            f.__name__ = f"{names[i]}_{names[:i].count(names[i]) + 1}"
+    return funcs
 
 
 def checked(function):
     """The reward function, awaited if async (as TRL does), its values refused where they come in no order of
     the completions: a dict or a set would give its keys, a string its characters."""
+    name = getattr(function, "__name__", type(function).__name__)  # A callable object's class.
+
     @functools.wraps(function)
     def call(**kwargs):
-        values = function(**kwargs)
-        if inspect.iscoroutine(values):
-            values = asyncio.run(values)
-        require(not isinstance(values, (dict, set, str)), f"it returned a {type(values).__name__}: return a "
-                "list of one number (or None) per completion, in their order", TypeError)
-        return values
-    call.__name__ = getattr(function, "__name__", type(function).__name__)  # A callable object's metrics.
+        try:
+            values = function(**kwargs)
+            if inspect.iscoroutine(values):
+                values = asyncio.run(values)
+            kind = type(values).__name__
+            require(not isinstance(values, (dict, set, str)), f"it returned a {kind}: return a list of one "
+                    "number (or None) per completion, in their order", TypeError)
+            return [math.nan if v is None else float(v) for v in values]
+        except Exception as e:
+            raise RuntimeError(f"reward function {name!r} failed: {type(e).__name__}: {e}") from e
+    call.__name__ = name
     return call
 
 
 def check_prompts(dataset, name):
     """Each prompt a non-empty string, or a list of {"role", "content"} messages, one kind per dataset; no
-    column named as an argument the reward functions already receive. Named with its row, at construction."""
+    column named as an argument the reward functions already receive. Named with its row, at construction.
+    Returns the prompts as a datasets.Dataset (a list of rows becomes one)."""
     if dataset is None:
-        return
+        return None
     require(isinstance(dataset, (Dataset, list)), f"{name} must be a datasets.Dataset (prompts are drawn by "
             f"index) or a list of rows, got {type(dataset).__name__}", TypeError)
     rows = dataset
@@ -671,6 +709,9 @@ def check_prompts(dataset, name):
                 "list of {'role', 'content'} messages with string values")
         kinds.add(text)
     require(len(kinds) <= 1, f"{name} mixes text prompts and conversations: give it one kind")
+    if isinstance(dataset, list):
+        dataset = Dataset.from_list(dataset)
+    return dataset
 
 
 def is_message(m):

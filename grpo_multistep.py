@@ -11,14 +11,12 @@ with π_old's log-probs cached once, and clipped as in PPO:
     loss_t = -min(ρ_t · A, clip(ρ_t, 1 - ε, 1 + ε_high) · A) + β · KL_t(π_θ ‖ π_ref)
 
 A generation batch may hold S optimizer steps' worth of completions (TRL's steps_per_generation): each of
-its S mini-batches is used μ times, μ·S steps in all. Part I is the algorithm, in the order of Algorithm 1;
-Part II what a trainer copied alone needs besides. grpo_long_runs.py adds what long jobs need on top.
+its S mini-batches is used μ times, μ·S steps in all. Part I is Algorithm 1; Part II the trainer around it.
 """
-import contextlib, copy, dataclasses, functools, hashlib, importlib, json, math, os, random, shutil, sys
+import contextlib, copy, dataclasses, functools, importlib, json, math, os, random, shutil, sys
 from collections import defaultdict
 
 import numpy, safetensors.torch, torch
-from datasets import Dataset
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 # ========================================= PART I: THE ALGORITHM =========================================
@@ -52,9 +50,6 @@ def sample_token(logits, temperature):
     u = torch.rand(len(cdf), 1, dtype=cdf.dtype, device=cdf.device) * cdf[:, -1:]      # (n, 1)
     return torch.searchsorted(cdf, u, right=True).squeeze(1).clamp(max=cdf.size(1) - 1)  # (n,)
 
-# Decoding steps between checks that every completion has ended: done.all() makes a GPU wait for the host.
-DONE_CHECK = defaultdict(lambda: 8, cpu=1)
-
 @torch.no_grad()
 def generate_completions(model, tokenizer, prompt_ids, prompt_mask, args, eos_token_ids):
     """G completions per prompt, token by token with the KV cache, from softmax(logits / T) alone (no top-k
@@ -75,9 +70,7 @@ def generate_completions(model, tokenizer, prompt_ids, prompt_mask, args, eos_to
         token = sample_token(logits, args.temperature).masked_fill(done, tokenizer.pad_token_id)
         tokens.append(token)
         done = done | torch.isin(token, eos)
-        if len(tokens) == args.max_completion_length:  # The last token needs no logits after it.
-            break
-        if t % DONE_CHECK[token.device.type] == 0 and done.all():
+        if done.all() or len(tokens) == args.max_completion_length:  # (The last needs no logits.)
             break
         mask = torch.cat([mask, torch.ones_like(mask[:, :1])], 1)                         # (B·G, P+t+1)
         position = position + 1
@@ -199,9 +192,8 @@ def grpo_loss(logps, old_logps, ref_logps, advantages, mask, args, num_seqs, num
 
 # ---- 5. The μ-iteration loop: generate, score, cache, then μ·S optimizer steps -------------------------
 class GRPOLoop:
-    """Algorithm 1's loop and the steps it takes. Use GRPOTrainer (Part II): it makes self.model, π_ref
-    (self.ref_model), self.tokenizer and AdamW (self.optimizer), and has the methods called here that
-    are not defined here (start_run, end_of_step, save_final_model, all_reduce)."""
+    """Algorithm 1's loop and its steps. GRPOTrainer (Part II) makes self.model, self.ref_model (π_ref),
+    self.tokenizer and self.optimizer, and defines start_run, end_of_step, save_final_model and all_reduce."""
 
     def train(self, resume_from_checkpoint=None):
         """Algorithm 1. A generation batch is sampled, scored and cached once, then its S mini-batches are
@@ -212,7 +204,7 @@ class GRPOLoop:
         while self.step < self.args.max_steps:
             metrics = dict.fromkeys(self.sampled_names, math.nan)  # A step that reuses a batch samples none.
             if self.step % steps_per_batch == 0:  # Time for a new generation batch: sections 1 to 3.
-                self.batch, metrics = self.generate_and_score(self.step // steps_per_batch)
+                self.batch, metrics = self.generate_and_score(self.step // steps_per_batch)  # For μ·S steps.
                 self.sampled_names = list(metrics)
             j = self.step % steps_per_batch  # This step is pass j // S of μ, on mini-batch j % S.
             metrics.update(self.optimizer_step(mini_batches(self.batch, S)[j % S]))
@@ -244,7 +236,6 @@ class GRPOLoop:
         if args.beta > 0:
             with reference_weights(self.ref_model):  # With LoRA, π_ref is the model with its adapter off.
                 batch["ref_logps"] = self.cached_logps(self.ref_model, batch)
-        self.samples = list(zip(sample["prompts"], sample["texts"], sample["rewards"].tolist()))
         return batch, batch_metrics(self, sample)
 
     def sample_and_score(self, dataset, indices):
@@ -330,7 +321,7 @@ class GRPOConfig:
     lr_scheduler_type: str = arg("linear", "Decay the rate to 0 at max_steps or not.", ("linear", "constant"))
     max_grad_norm: float = arg(1.0, "Gradient clipping norm (0: no clipping).")
     max_steps: int = arg(100, "Number of optimizer steps.")
-    per_device_train_batch_size: int = arg(8, "Completions per forward and backward pass (micro-batch).")
+    per_device_train_batch_size: int = arg(8, "Completions per forward-backward pass (micro-batch).")
     gradient_accumulation_steps: int = arg(1, "Micro-batches per optimizer step.")
     seed: int = arg(42, "Seed of the prompt order and of the sampling.")
     num_generations: int = arg(8, "G: completions sampled per prompt (the group).")
@@ -338,14 +329,13 @@ class GRPOConfig:
     max_completion_length: int = arg(256, "Most tokens generated per completion.")
     temperature: float = arg(1.0, "Sampling temperature; the log-probs use the same one.")
     num_iterations: int = arg(1, "μ: optimizer steps on each mini-batch of a generation batch.")
-    steps_per_generation: int | None = arg(None, "Micro-batches per generation batch (None: one step's).")
+    steps_per_generation: int | None = arg(None, "Micro-batches per generation (None: one step's).")
     epsilon: float = arg(0.2, "Lower clipping range: the ratio is kept >= 1 - epsilon.")
     epsilon_high: float | None = arg(None, "Upper clipping range: ratio <= 1 + epsilon_high (None: epsilon).")
     beta: float = arg(0.0, "KL coefficient; 0 loads no reference model at all.")
     use_bias_correction_kl: bool = arg(False, "Weigh the KL term by the ratio ρ (TRL 1.16's default: True).")
     loss_type: str = arg("grpo", "How tokens average into the loss.", ("grpo", "bnpo", "dapo", "dr_grpo"))
-    importance_sampling_level: str = arg("token", "One ratio per token, or per sequence (GSPO).",
-                                         ("token", "sequence"))
+    importance_sampling_level: str = arg("token", "Token or sequence ratios (GSPO).", ("token", "sequence"))
     mask_truncated_completions: bool = arg(False, "No loss on completions cut at max_completion_length.")
     scale_rewards: str = arg("group", "Divide advantages by their group's std, or not.", ("group", "none"))
     reward_weights: list[float] | None = arg(None, "One weight per reward function (None: all 1).")
@@ -358,23 +348,22 @@ class GRPOConfig:
     def __post_init__(self):
         check_config(self)
 
-def check_config(c):  # Values that would fail deep inside torch, or silently mean something else.
-    lowest = {1: "num_iterations max_steps per_device_train_batch_size gradient_accumulation_steps "
-                 "max_completion_length logging_steps save_steps max_prompt_length steps_per_generation "
-                 "eval_steps", 0: "beta learning_rate weight_decay max_grad_norm seed",
-              2: "num_generations"}  # A group of one (G = 1) has no baseline.
-    for low, names in lowest.items():
-        for name in names.split():
-            value = getattr(c, name)
-            require(value is None or value >= low, f"GRPOConfig.{name}={value!r} must be >= {low}")
-    require(c.temperature > 0, f"GRPOConfig.temperature={c.temperature!r} must be > 0")
-    high_ok = c.epsilon_high is None or c.epsilon_high > 0  # (0 would silently read as "unset": epsilon.)
-    require(0 < c.epsilon < 1 and high_ok, f"GRPOConfig.epsilon={c.epsilon!r} must lie in (0, 1), "
-            f"epsilon_high={c.epsilon_high!r} be None or > 0")
-    for f in dataclasses.fields(c):  # A misspelt name would silently mean another choice.
+LOWEST = dict(num_generations=2, seed=0, beta=0, learning_rate=0, weight_decay=0, max_grad_norm=0,
+              num_iterations=1, per_device_train_batch_size=1, gradient_accumulation_steps=1, logging_steps=1,
+              max_completion_length=1, max_prompt_length=1, steps_per_generation=1, eval_steps=1,
+              save_steps=1, max_steps=1)
+
+def check_config(c):  # Values that would fail deep inside torch, or silently differ (None: unset).
+    for f in dataclasses.fields(c):
         value = getattr(c, f.name)
-        require(f.metadata["choices"] is None or value in f.metadata["choices"],
-                f"GRPOConfig.{f.name}={value!r} must be one of {f.metadata['choices']}")
+        field = f"GRPOConfig.{f.name}={value!r}"
+        low = LOWEST.get(f.name)
+        require(low is None or value is None or value >= low, f"{field} must be >= {low}")
+        choices = f.metadata["choices"]  # A misspelt name would silently mean another choice.
+        require(choices is None or value in choices, f"{field} must be one of {choices}")
+    require(c.temperature > 0, f"GRPOConfig.temperature={c.temperature!r} must be > 0")
+    require(0 < c.epsilon < 1, f"GRPOConfig.epsilon={c.epsilon!r} must lie in (0, 1)")
+    require(c.epsilon_high is None or c.epsilon_high > 0, f"epsilon_high={c.epsilon_high} must be > 0")
     per_step = c.per_device_train_batch_size * c.gradient_accumulation_steps
     require(per_step % c.num_generations == 0, f"per_device_train_batch_size × gradient_accumulation_steps "
             f"= {per_step} is not divisible by num_generations={c.num_generations}: a group would be split")
@@ -386,12 +375,9 @@ def require(ok, message, error=ValueError):  # Input checks fail at the start, n
     if not ok:
         raise error(message)
 
-# The trainer: Part I's loop, with what a run needs around it. Each method is one thing a subclass may change.
+# The trainer, as in TRL: GRPOTrainer(model, reward_funcs, args, train_dataset).train(). Part I's loop with
+# what a run needs around it: each method is one thing a subclass may change.
 class GRPOTrainer(GRPOLoop):
-    """GRPOTrainer(model, reward_funcs, args, train_dataset).train(), as in TRL. model: a hub id, a folder or
-    a causal LM (peft_config: a LoRA adapter trains on it). reward_funcs: f(prompts, completions, **kwargs)
-    -> a number or None per completion."""
-
     def __init__(self, model, reward_funcs, args=None, train_dataset=None, eval_dataset=None,
                  processing_class=None, peft_config=None):
         self.args = args if args is not None else GRPOConfig()
@@ -399,48 +385,36 @@ class GRPOTrainer(GRPOLoop):
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self.reward_funcs = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
         self.train_dataset = check_dataset(train_dataset, "train_dataset")
-        self.eval_dataset = check_dataset(eval_dataset, "eval_dataset", optional=True)
+        self.eval_dataset = None if eval_dataset is None else check_dataset(eval_dataset, "eval_dataset")
         self.model, self.tokenizer = load_policy(model, processing_class, peft_config, self.args, self.device)
         self.eos_token_ids = eos_token_ids(self.model, self.tokenizer)  # The tokenizer's and the model's.
         self.ref_model = reference_model(self.model, self.args.beta)  # π_ref, where β > 0 needs it.
         trained = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(trained, lr=self.args.learning_rate, fused=True)
-        self.new_run()
+        self.step = 0  # Optimizer steps taken; train() starts it anew, or from a checkpoint's.
 
     def all_reduce(self, x):  # The sum over the processes: one here, so x itself.
         return x
 
-    def new_run(self):  # The state of a run, made anew by each train(), AdamW's included.
-        self.optimizer.state.clear()  # No moments of an earlier train(),
-        self.optimizer.zero_grad(set_to_none=True)  # nor half a gradient that an interruption left.
-        self.step = 0
-        self.batch = None  # The generation batch that the current μ·S optimizer steps share.
-        self.sampled_names = []  # The metrics of a generation batch: NaN in the steps that reuse it.
-        self.samples = []
-        self.window = defaultdict(list)  # The metrics of the steps since the last logged row.
-
-    def start_run(self, resume_from_checkpoint):  # A fresh run, or a checkpoint's.
+    def start_run(self, resume_from_checkpoint):  # A fresh run's state (AdamW's too), or a checkpoint's.
         check_config(self.args)  # Fields may have changed since the trainer was made.
         weights = self.args.reward_weights or self.reward_funcs
         require(len(weights) == len(self.reward_funcs), f"reward_weights={self.args.reward_weights} needs "
                 f"one weight per reward function ({len(self.reward_funcs)})")
-        require(self.args.eval_strategy == "no" or self.eval_dataset is not None, "eval_strategy='steps' "
-                "needs an eval_dataset")
         check_trainable(self.model)
         os.makedirs(self.args.output_dir, exist_ok=True)
-        self.new_run()
-        digest = hashlib.sha256()  # The prompts' fingerprint: a resume checks that they are the same.
-        for prompt in self.train_dataset["prompt"]:
-            digest.update(json.dumps(prompt).encode())
-        self.dataset_id = [len(self.train_dataset), digest.hexdigest()]
-        metrics_file = os.path.join(self.args.output_dir, "metrics.jsonl")
+        self.optimizer.state.clear()  # No moments of an earlier train(),
+        self.optimizer.zero_grad(set_to_none=True)  # nor half a gradient that an interruption left.
+        self.step = 0
+        self.sampled_names = []  # The metrics of a generation batch: NaN in the steps that reuse it.
+        self.window = defaultdict(list)  # The metrics of the steps since the last logged row.
         if resume_from_checkpoint:
             self.load_checkpoint(resume_from_checkpoint)
-        elif self.rank == 0 and os.path.exists(metrics_file):
-            os.remove(metrics_file)  # A fresh run's rows start anew.
+        elif self.rank == 0:  # A fresh run's rows start anew.
+            open(os.path.join(self.args.output_dir, "metrics.jsonl"), "w").close()
 
-    # The held-out reward: eval_dataset sampled and scored as in training, seeded alike each time. The next
-    # generation batch seeds itself anew, so a run with evaluations makes the same updates as one without.
+    # The held-out reward, sampled and scored as in training. The next generation batch seeds itself anew,
+    # so a run with evaluations makes the same updates as one without.
     def evaluate(self):
         seed_random_generators(self, "eval", 0)
         prompts = list(range(self.rank, len(self.eval_dataset), self.world_size))
@@ -451,21 +425,20 @@ class GRPOTrainer(GRPOLoop):
                                                                   "truncated")}
         return {f"eval_{k}": v for k, v in batch_metrics(self, sample).items()}
 
-    # After each step: evaluate, log and checkpoint, in that order as in TRL. A row averages its steps'
-    # metrics, NaN (null in metrics.jsonl) where no step sampled: every row has every training metric.
+    # After each step: evaluate, log and checkpoint, in that order as in TRL.
     def end_of_step(self, metrics):
         args = self.args
-        last = self.step == args.max_steps
         if args.eval_strategy == "steps" and self.step % (args.eval_steps or args.logging_steps) == 0:
             metrics.update(self.evaluate())
         for k, v in metrics.items():
             self.window[k].append(v)
+        last = self.step == args.max_steps
         if self.step % args.logging_steps == 0 or last:
             self.log(self.logged_row())
         if args.save_strategy == "steps" and (self.step % args.save_steps == 0 or last):
             self.save_checkpoint()
 
-    def logged_row(self):  # The steps since the last row as one: each metric's mean, NaN where none had it.
+    def logged_row(self):  # Each metric's mean over the steps since the last row: NaN where none sampled.
         row = {"step": self.step}
         for k, values in self.window.items():
             present = [v for v in values if not math.isnan(v)]
@@ -474,46 +447,39 @@ class GRPOTrainer(GRPOLoop):
         return row
 
     def log(self, row):  # Rank 0 prints the row and appends it to metrics.jsonl (JSON has no NaN: null).
-        if self.rank != 0:
-            return
-        finite = {k: v if not isinstance(v, float) or math.isfinite(v) else None for k, v in row.items()}
-        with open(os.path.join(self.args.output_dir, "metrics.jsonl"), "a") as f:
-            f.write(json.dumps(finite) + "\n")
-        print(" | ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()))
+        if self.rank == 0:
+            finite = {k: v if not isinstance(v, float) or math.isfinite(v) else None for k, v in row.items()}
+            with open(os.path.join(self.args.output_dir, "metrics.jsonl"), "a") as f:
+                f.write(json.dumps(finite) + "\n")
+            print(" | ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()))
 
-    # Checkpoints: the model's (or adapter's) safetensors, optimizer.pt, trainer_state.json, and a rank_<r>.pt
-    # per process with its generation batch: with μ·S > 1 the batch's later steps reuse it (training state).
+    # Checkpoints: the model's (or adapter's) safetensors, optimizer.pt, trainer_state.json, metrics.jsonl
+    # and a rank_<r>.pt per process with its generation batch, which the batch's later steps reuse.
     def save_checkpoint(self):
         folder = os.path.join(self.args.output_dir, f"checkpoint-{self.step}")
         tmp = folder + ".tmp"  # Renamed once whole: a checkpoint is complete or absent.
         os.makedirs(tmp, exist_ok=True)
-        batch = {k: v.cpu() for k, v in self.batch.items()}  # The one that the next steps may reuse.
-        torch.save(batch, os.path.join(tmp, f"rank_{self.rank}.part"))
-        os.replace(os.path.join(tmp, f"rank_{self.rank}.part"), os.path.join(tmp, f"rank_{self.rank}.pt"))
-        if self.rank != 0:
-            return
-        self.model.save_pretrained(tmp)
-        torch.save(self.optimizer.state_dict(), os.path.join(tmp, "optimizer.pt"))
-        state = {"step": self.step, "world_size": self.world_size, "dataset": self.dataset_id,
-                 "window": self.window, "sampled_names": self.sampled_names,
-                 "config": dataclasses.asdict(self.args)}
-        with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
-            json.dump(state, f, default=str)  # A Path as a string.
-        shutil.rmtree(folder, ignore_errors=True)  # This step's checkpoint from an earlier try, if any.
-        os.replace(tmp, folder)
+        torch.save({k: v.cpu() for k, v in self.batch.items()}, os.path.join(tmp, f"rank_{self.rank}.pt"))
+        if self.rank == 0:  # The files that every process shares, then the rename.
+            self.model.save_pretrained(tmp)
+            torch.save(self.optimizer.state_dict(), os.path.join(tmp, "optimizer.pt"))
+            shutil.copy(os.path.join(self.args.output_dir, "metrics.jsonl"), tmp)  # The rows up to this step.
+            state = {"step": self.step, "world_size": self.world_size, "window": self.window,
+                     "sampled_names": self.sampled_names, "config": dataclasses.asdict(self.args)}
+            with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
+                json.dump(state, f, default=str)  # A Path as a string.
+            shutil.rmtree(folder, ignore_errors=True)  # This step's checkpoint from an earlier try, if any.
+            os.replace(tmp, folder)
 
-    def load_checkpoint(self, path):
-        """JSON, safetensors and AdamW's tensors (torch.load with weights_only): no code runs. A checkpoint of
-        another batch shape or dataset would continue another run's prompt order: it is refused at once."""
+    def load_checkpoint(self, path):  # JSON and tensors only (torch.load's weights_only): no code runs.
         with open(os.path.join(path, "trainer_state.json")) as f:  # Each file is read before any is applied.
             state = json.load(f)
-        then = dict(state["config"], world_size=state["world_size"], dataset=state["dataset"])
-        now = dict(dataclasses.asdict(self.args), world_size=self.world_size, dataset=self.dataset_id)
+        then = dict(state["config"], world_size=state["world_size"])
+        now = dict(dataclasses.asdict(self.args), world_size=self.world_size)
         shape = ("num_iterations", "steps_per_generation", "num_generations", "per_device_train_batch_size",
-                 "gradient_accumulation_steps", "world_size", "seed", "dataset")  # What the prompts follow.
+                 "gradient_accumulation_steps", "world_size", "seed")  # What the prompt order follows.
         changed = {k: (then[k], now[k]) for k in shape if then[k] != now[k]}
-        require(not changed, f"checkpoint {os.fspath(path)!r} has another batch shape or dataset (then, "
-                f"now): {changed}")
+        require(not changed, f"checkpoint {os.fspath(path)!r} has another batch shape (then, now): {changed}")
         weights_file = "adapter_model.safetensors" if is_peft(self.model) else "model.safetensors"
         weights = safetensors.torch.load_file(os.path.join(path, weights_file), device=str(self.device))
         load = functools.partial(torch.load, map_location=self.device, weights_only=True)
@@ -527,12 +493,8 @@ class GRPOTrainer(GRPOLoop):
         self.step = state["step"]
         self.window = defaultdict(list, state["window"])
         self.sampled_names = state["sampled_names"]
-        if self.rank == 0:  # The resumed run logs the later steps again: each step once.
-            with open(os.path.join(self.args.output_dir, "metrics.jsonl"), "a+") as f:
-                f.seek(0)
-                kept = [r for r in f if r.endswith("\n") and json.loads(r).get("step", 0) <= self.step]
-                f.truncate(0)
-                f.writelines(kept)
+        if self.rank == 0:  # The rows up to the checkpoint: the resumed run logs the later steps again.
+            shutil.copy(os.path.join(path, "metrics.jsonl"), self.args.output_dir)
 
     def save_final_model(self):  # For from_pretrained(output_dir): the model, or the adapter, and tokenizer.
         if self.rank == 0:
@@ -540,9 +502,8 @@ class GRPOTrainer(GRPOLoop):
             self.tokenizer.save_pretrained(self.args.output_dir)
 
 def learning_rate(args, step):  # TRL's linear decay to 0 at max_steps, or a constant rate.
-    if args.lr_scheduler_type == "linear":
-        return args.learning_rate * ((args.max_steps - step) / args.max_steps)
-    return args.learning_rate
+    decay = (args.max_steps - step) / args.max_steps if args.lr_scheduler_type == "linear" else 1.0
+    return args.learning_rate * decay
 
 # Generation batch k's prompts are a function of k alone, so that a resume picks the same; a process takes its
 # share of each step. This order, the seeding below and load_checkpoint's batch-shape check change together.
@@ -555,15 +516,11 @@ def prompt_rows(trainer, k):
     for j in range(S):
         first = ((k * S + j) * trainer.world_size + trainer.rank) * per_step
         for i in range(first, first + per_step):
-            indices.append(epoch_order(n, args.seed + i // n)[i % n])  # One shuffle of the rows per epoch.
+            epoch = torch.randperm(n, generator=torch.Generator().manual_seed(args.seed + i // n))
+            indices.append(int(epoch[i % n]))  # Each epoch (n rows) a shuffle of its own.
     return indices
 
-@functools.lru_cache(maxsize=2)
-def epoch_order(n, seed):
-    return torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
-
-# Random draws (random, numpy, torch) seeded per generation batch and process: nothing random to save.
-def seed_random_generators(trainer, purpose, k):
+def seed_random_generators(trainer, purpose, k):  # Per batch and process: no random state to save.
     entropy = [trainer.args.seed, ("train", "eval").index(purpose), k, trainer.rank]
     seed = int(numpy.random.SeedSequence(entropy).generate_state(1)[0])
     random.seed(seed)
@@ -578,10 +535,8 @@ def batch_metrics(trainer, sample):
                "frac_reward_zero_std": flat.float().mean(),
                "completions/mean_length": sample["lengths"].float().mean(),
                "completions/clipped_ratio": sample["truncated"].float().mean()}  # Cut at the length.
-    names = [getattr(f, "__name__", type(f).__name__) for f in trainer.reward_funcs]
-    for i, name in enumerate(names):
-        if names.count(name) > 1:  # Two functions of one name (two lambdas) keep a metric each.
-            name = f"{name}_{names[:i].count(name) + 1}"
+    for i, f in enumerate(trainer.reward_funcs):
+        name = getattr(f, "__name__", type(f).__name__)
         metrics[f"rewards/{name}/mean"] = sample["rewards_per_func"][:, i].nanmean()
     values = torch.stack([v.float().to(trainer.device) for v in metrics.values()])
     return dict(zip(metrics, (trainer.all_reduce(values) / trainer.world_size).tolist()))
@@ -597,23 +552,14 @@ def step_metrics(trainer, sums):  # Sums over micro-batches and processes, per l
         metrics["kl"] = s["kl"] / tokens
     return metrics
 
-# Inputs: loaded, and checked for what training assumes.
-def check_dataset(dataset, name, optional=False):  # A datasets.Dataset, or a list of rows {"prompt": ...}.
-    if dataset is None and optional:
-        return None
-    if isinstance(dataset, list):
-        dataset = Dataset.from_list(dataset)
-    require("prompt" in dataset.column_names and len(dataset) > 0, f"{name} must have rows and a 'prompt' "
-            f"column ({len(dataset)} rows, columns {dataset.column_names})")
+def check_dataset(dataset, name):  # A datasets.Dataset, with prompts to sample.
+    require("prompt" in dataset.column_names and len(dataset) > 0, f"{name} needs rows and a 'prompt' column")
     return dataset
 
-def call_reward(f, kwargs):  # f's rewards as a float32 column, NaN for None, or an error that names f.
-    name = getattr(f, "__name__", repr(f))
+def call_reward(f, kwargs):  # f's rewards as a float32 column, NaN for None: one per completion.
+    values = [math.nan if v is None else float(v) for v in f(**kwargs)]
     n = len(kwargs["completions"])
-    try:
-        values = [math.nan if v is None else float(v) for v in f(**kwargs)]
-    except Exception as e:
-        raise RuntimeError(f"reward function {name!r} failed: {type(e).__name__}: {e}") from e
+    name = getattr(f, "__name__", repr(f))
     require(len(values) == n, f"reward function {name!r} returned {len(values)} values for {n} completions")
     return torch.tensor(values, dtype=torch.float32)
 
@@ -621,12 +567,10 @@ def load_policy(model, processing_class, peft_config, args, device):
     if isinstance(model, (str, os.PathLike)):  # Its folder's own Python is never run (trust_remote_code).
         model = AutoModelForCausalLM.from_pretrained(os.fspath(model), dtype=torch.float32)
     if peft_config is not None:
-        with torch.random.fork_rng(devices=[]):  # The adapter's initial weights follow args.seed.
-            torch.manual_seed(args.seed)
-            model = importlib.import_module("peft").get_peft_model(model, peft_config)
+        torch.manual_seed(args.seed)  # The adapter's initial weights follow args.seed, as in HF's Trainer.
+        model = importlib.import_module("peft").get_peft_model(model, peft_config)
     # Eval mode turns dropout off: the same weights must give the same log-probs (π_old = π_θ exactly).
     model = model.to(device).eval()
-    check_trainable(model)
     tokenizer = processing_class
     if tokenizer is None:  # The model's own, from its folder or the hub.
         tokenizer = AutoTokenizer.from_pretrained(model.config._name_or_path)
@@ -637,8 +581,7 @@ def load_policy(model, processing_class, peft_config, args, device):
 
 def check_trainable(model):  # In 16 bits, AdamW's small updates would round away.
     dtypes = sorted({str(p.dtype) for p in model.parameters() if p.requires_grad})
-    require(dtypes == ["torch.float32"], f"{type(model).__name__}'s trainable weights are {dtypes}: train "
-            "float32 weights, or a LoRA adapter")
+    require(dtypes == ["torch.float32"], f"trainable weights are {dtypes}: train float32 or a LoRA adapter")
 
 def is_peft(model):  # A peft.PeftModel (peft is imported by whoever made it): its adapter trains and saves.
     return "peft" in sys.modules and isinstance(model, sys.modules["peft"].PeftModel)
@@ -646,17 +589,12 @@ def is_peft(model):  # A peft.PeftModel (peft is imported by whoever made it): i
 def reference_model(model, beta):  # π_ref where β > 0: a frozen copy of the policy, or the LoRA model.
     if beta == 0:
         return None
-    if is_peft(model):
-        return model
-    return copy.deepcopy(model).eval().requires_grad_(False)
+    return model if is_peft(model) else copy.deepcopy(model).eval().requires_grad_(False)
 
 def reference_weights(ref_model):  # With LoRA, π_ref is the base model: the adapter is off meanwhile.
-    if is_peft(ref_model):
-        return ref_model.disable_adapter()
-    return contextlib.nullcontext()
+    return ref_model.disable_adapter() if is_peft(ref_model) else contextlib.nullcontext()
 
 def eos_token_ids(model, tokenizer):  # As in TRL: any of the tokenizer's and generation_config's EOS ids.
     ids = getattr(model.generation_config, "eos_token_id", None)
-    if isinstance(ids, int):
-        ids = [ids]
+    ids = [ids] if isinstance(ids, int) else ids
     return torch.tensor(sorted({tokenizer.eos_token_id, *(ids or [])}), device=model.device)

@@ -461,34 +461,6 @@ def test_any_of_several_eos_ids_ends_generation_and_the_mask_at_the_first(tmp_pa
     assert batch["completion_mask"].sum(1).eq(3).all()               # and the mask ends with the 7
 
 
-def test_checking_for_the_end_every_few_tokens_samples_the_same_tokens(monkeypatch):
-    """On a GPU `done.all()` waits for the device, so it is checked every DONE_CHECK tokens: that only adds
-    padding columns after the last EOS; the completions and their masks are the same."""
-    tokenizer = make_tokenizer()
-    model = make_model(tokenizer)
-    ids, mask = gm.tokenize_prompts(tokenizer, ["hello world", "the cat sat on the mat"], None)
-    args = GRPOConfig(num_generations=4, max_completion_length=40)
-    sample, runs, steps = gm.sample_token, [], []
-
-    def row_t_ends_at_step_t(logits, temperature):  # the 8 completions end one by one, by step 8
-        token = sample(logits, temperature)
-        token[token == tokenizer.eos_token_id] = 2
-        steps.append(1)
-        token[:len(steps)] = tokenizer.eos_token_id
-        return token
-
-    monkeypatch.setattr(gm, "sample_token", row_t_ends_at_step_t)
-    for every in (1, 8):
-        monkeypatch.setitem(gm.DONE_CHECK, "cpu", every)
-        torch.manual_seed(0)
-        steps.clear()
-        runs.append(gm.generate_completions(model, tokenizer, ids, mask, args, [tokenizer.eos_token_id])[2:])
-    (ids_1, mask_1), (ids_8, mask_8) = runs
-    assert ids_1.size(1) < 40 and ids_8.size(1) > ids_1.size(1)      # all ended early; checked later
-    assert torch.equal(ids_8[:, :ids_1.size(1)], ids_1) and torch.equal(mask_8[:, :ids_1.size(1)], mask_1)
-    assert (ids_8[:, ids_1.size(1):] == tokenizer.pad_token_id).all() and mask_8[:, ids_1.size(1):].sum() == 0
-
-
 def test_eos_is_trainable_when_pad_is_eos(tmp_path):
     tokenizer = make_tokenizer(pad_is_eos=True)
     assert tokenizer.pad_token_id == tokenizer.eos_token_id
@@ -725,17 +697,13 @@ def test_a_failure_while_writing_a_checkpoint_leaves_the_previous_one_loadable(t
 
 
 def test_a_resume_that_is_not_this_runs_checkpoint_is_refused_before_anything_loads(tmp_path):
-    """Not a checkpoint folder (the missing file is named); another batch shape or other prompts (the prompt
-    order and the saved batch depend on them)."""
+    """Not a checkpoint folder (the missing file is named); another batch shape (the prompt order and the
+    saved batch depend on it)."""
     run_to_end(tmp_path, "a")
     with pytest.raises(FileNotFoundError, match="trainer_state.json"):
         run_to_end(tmp_path, "b", resume=str(tmp_path))
     with pytest.raises(ValueError, match=r"another batch shape.*'num_iterations': \(3, 2\)"):
         run_to_end(tmp_path, "b", resume=str(tmp_path / "a" / "checkpoint-2"), num_iterations=2)
-    reversed_prompts = Dataset.from_dict({"prompt": PROMPTS[::-1]})
-    other_prompts = make_trainer(tmp_path, dataset=reversed_prompts, num_iterations=3)
-    with pytest.raises(ValueError, match=r"another batch shape or dataset .*\{'dataset': \(\[8, "):
-        other_prompts.train(resume_from_checkpoint=str(tmp_path / "a" / "checkpoint-2"))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -811,7 +779,7 @@ def never_applies(completions, **kw):
 def test_bad_trainer_inputs_are_rejected_before_training(tmp_path):
     with pytest.raises(ValueError, match="not divisible by num_generations=4"):
         make_trainer(tmp_path, per_device_train_batch_size=3, gradient_accumulation_steps=1)
-    with pytest.raises(ValueError, match="0 rows"):
+    with pytest.raises(ValueError, match="train_dataset needs rows"):
         make_trainer(tmp_path, dataset=Dataset.from_dict({"prompt": []}))
     with pytest.raises(ValueError, match="'prompt' column"):
         make_trainer(tmp_path, dataset=Dataset.from_dict({"text": PROMPTS}))
@@ -821,17 +789,10 @@ def test_bad_trainer_inputs_are_rejected_before_training(tmp_path):
         make_trainer(tmp_path, tokenizer=tokenizer)
 
 
-def test_train_refuses_reward_weights_of_another_count_and_an_evaluation_without_prompts(tmp_path):
-    """One weight for two functions would broadcast silently; an evaluation with no eval_dataset would fail
-    at its first evaluation, deep inside."""
+def test_train_refuses_reward_weights_of_another_count(tmp_path):
+    """One weight for two functions would broadcast silently."""
     with pytest.raises(ValueError, match=r"reward_weights=\[2.0\] needs one weight per reward function"):
         make_trainer(tmp_path, reward_funcs=[short_is_good, never_applies], reward_weights=[2.0]).train()
-    with pytest.raises(ValueError, match="eval_strategy='steps' needs an eval_dataset"):
-        make_trainer(tmp_path, eval_strategy="steps").train()
-
-
-def broken(completions, **kw):
-    raise KeyError("answer")
 
 
 def too_few(completions, **kw):
@@ -839,7 +800,6 @@ def too_few(completions, **kw):
 
 
 @pytest.mark.parametrize("func,error,match", [
-    (broken, RuntimeError, "reward function 'broken' failed: KeyError"),
     (too_few, ValueError, "reward function 'too_few' returned 1 values for 8 completions"),
     (never_applies, ValueError, r"every reward function returned None or NaN for completion \[0\]"),
 ])
@@ -858,7 +818,7 @@ def test_16_bit_trainable_weights_are_refused_before_adamw_would_round_their_upd
         assert (w != 0.01).float().mean() == moved
     tokenizer = make_tokenizer()
     with pytest.raises(ValueError, match="trainable weights are \\['torch.bfloat16'\\].*float32"):
-        make_trainer(tmp_path, tokenizer=tokenizer, model=make_model(tokenizer).to(torch.bfloat16))
+        make_trainer(tmp_path, tokenizer=tokenizer, model=make_model(tokenizer).to(torch.bfloat16)).train()
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -941,15 +901,6 @@ def test_masked_truncated_completions_leave_the_loss_and_still_shape_their_group
     loss.backward()
     for g, p in zip(grads, reference.model.parameters()):
         torch.testing.assert_close(g, p.grad, rtol=1e-4, atol=1e-6)
-
-
-def test_reward_functions_with_the_same_name_keep_a_metric_each(tmp_path):
-    """Two lambdas (or two closures of one factory) are both named "<lambda>": numbered, not merged."""
-    ones, twos = ((lambda completions, **kw: [1.0] * len(completions)),
-                  (lambda completions, **kw: [2.0] * len(completions)))
-    _, metrics = make_trainer(tmp_path, reward_funcs=[ones, twos]).generate_and_score(0)
-    assert ((metrics["rewards/<lambda>_1/mean"], metrics["rewards/<lambda>_2/mean"], metrics["reward"])
-            == (1.0, 2.0, 3.0))
 
 
 def test_the_entropy_metric_is_the_policys_entropy_over_the_losss_tokens(tmp_path):

@@ -670,7 +670,7 @@ def test_importing_works_with_any_transformers_and_the_trainer_names_an_older_on
 
 
 def test_evaluation_needs_a_held_out_set(tmp_path):
-    with pytest.raises(ValueError, match="eval_strategy='steps' needs an eval_dataset"):
+    with pytest.raises(ValueError, match=r"\(eval_strategy='steps' or evaluate\(\)\) needs an eval_dataset"):
         make_trainer(tmp_path, eval_strategy="steps").train()
     with pytest.raises(TypeError, match="eval_dataset must be a datasets.Dataset"):
         make_trainer(tmp_path, eval_dataset="prompts.jsonl")
@@ -1153,6 +1153,26 @@ def test_a_checkpoint_that_trains_other_tensors_is_refused_by_name_before_anythi
         with pytest.raises(ValueError, match=r"optimizer.pt in .* trains other tensors: .*(lm_head|norm)"):
             other.train(resume_from_checkpoint=True)
         assert all(torch.equal(v, before[k]) for k, v in other.model.state_dict().items())
+
+
+def test_a_checkpoint_of_other_training_prompts_is_refused_before_anything_loads(tmp_path):
+    """Same batch shape, other prompts: the resume would go on in another run's prompt order."""
+    make_trainer(tmp_path, max_steps=2, save_steps=1).train()
+    reversed_prompts = Dataset.from_dict({"prompt": PROMPTS[::-1]})
+    other = make_trainer(tmp_path, dataset=reversed_prompts, max_steps=3)
+    before = {k: v.clone() for k, v in other.model.state_dict().items()}
+    with pytest.raises(ValueError, match=r"checkpoint-1' was written with other training prompts .*\[8, "):
+        other.train(resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-1"))
+    assert all(torch.equal(v, before[k]) for k, v in other.model.state_dict().items())
+
+
+def test_reward_functions_with_the_same_name_keep_a_metric_each(tmp_path):
+    """Two lambdas (or two closures of one factory) are both named "<lambda>": numbered, not merged."""
+    ones, twos = ((lambda completions, **kw: [1.0] * len(completions)),
+                  (lambda completions, **kw: [2.0] * len(completions)))
+    _, metrics = make_trainer(tmp_path, reward_funcs=[ones, twos]).generate_and_score(0)
+    assert ((metrics["rewards/<lambda>_1/mean"], metrics["rewards/<lambda>_2/mean"], metrics["reward"])
+            == (1.0, 2.0, 3.0))
 
 
 def test_a_batch_cached_with_beta_0_gets_pi_refs_log_probs_when_resumed_with_beta_above_0(tmp_path):

@@ -60,13 +60,20 @@ def second_reward(completion_ids, **kwargs):  # the end-to-end run's: None ("doe
     return [None if len(c) % 2 else len(c) / C for c in completion_ids]
 
 
+def rows_in_order(trainer, k):  # generation batch k's prompts, the dataset's rows taken in turn
+    args = trainer.args
+    size = args.per_device_train_batch_size * (args.steps_per_generation or args.gradient_accumulation_steps)
+    size = size // args.num_generations
+    return [(k * size + i) % len(trainer.train_dataset) for i in range(size)]
+
+
 def train_like_trl(tmp_path, monkeypatch, args, max_steps, n_prompts, reward_funcs=(fixed_reward,)):
     """train() on the golden inputs. Returns what trl_golden.py recorded of TRL: each generation batch's
     advantages; per optimizer step each micro-batch's loss, tokens, KL sum and clipped-token counts, and the
     gradients AdamW receives; and the metrics each step logged."""
     monkeypatch.setattr(gm, "generate_completions", fixed_completions)
     # TRL ran with shuffle_dataset=False: the rows in order. This project draws a seeded order: in order too.
-    monkeypatch.setattr(gm, "epoch_order", lambda n, seed: list(range(n)))
+    monkeypatch.setattr(gm, "prompt_rows", rows_in_order)
     config = {"output_dir": str(tmp_path / "out"), "num_generations": G, "max_completion_length": C,
               "max_steps": max_steps, "logging_steps": 1, "save_steps": 10**6, "max_grad_norm": 0.0,
               "lr_scheduler_type": "constant", **args}
