@@ -25,6 +25,7 @@ to the first EOS) from one fixed seed, inside torch.random.fork_rng, so that sco
 random stream untouched.
 """
 import argparse, fcntl, hashlib, json, os, random, shutil, statistics, subprocess, tempfile, time, uuid
+from collections import namedtuple
 from contextlib import contextmanager
 
 import torch
@@ -71,14 +72,15 @@ def answer(a, b):
     return str(a + b)
 
 
-def dataset(pairs):  # the trainer's train_dataset: the "answer" column reaches the reward functions
+def dataset(pairs, prompt=prompt, answer=answer):
+    """The trainer's train_dataset: the "answer" column reaches the reward functions."""
     return Dataset.from_dict({"prompt": [prompt(a, b) for a, b in pairs],
                               "answer": [answer(a, b) for a, b in pairs]})
 
 
 # ---- Rewards: exact match, and per-digit partial credit as an option --------------------------------------
 def exact_match(completions, answer, **kwargs):
-    """1 where the completion (decoded up to its first EOS) is exactly the sum's digits, else 0."""
+    """1 where the completion (decoded up to its first EOS) is exactly the answer, else 0."""
     return [float(c == a) for c, a in zip(completions, answer)]
 
 
@@ -92,14 +94,21 @@ REWARDS = {"exact": exact_match, "digits": digit_credit}
 
 # ---- The tokenizer and the starting model ------------------------------------------------------------------
 SPECIALS = ["<pad>", "<bos>", "<eos>", "<unk>"]
+CHARACTERS = "0123456789+="
 SHAPE = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=4, max_position_embeddings=32)
 SFT = dict(seed=0, steps=600, batch=64, lr=1e-3)
+MAX_COMPLETION = 6  # completion tokens at most, in scoring as in training: room for 3 digits and the EOS
+# A testbed's task, its starting model and the length of its answers: another testbed passes its own to the
+# functions that make the starting model and score it.
+Task = namedtuple("Task", "prompt answer split characters shape sft max_completion")
+TASK = Task(prompt, answer, split, CHARACTERS, SHAPE, SFT, MAX_COMPLETION)
 
 
-def make_tokenizer():
-    """One token per character: the specials, the digits, '+' and '='; "<bos>" before every text."""
-    vocab = {t: i for i, t in enumerate(SPECIALS + list("0123456789+="))}
+def make_tokenizer(characters=CHARACTERS):
+    """One token per character: the specials and the task's characters (here the digits, '+' and '=');
+    "<bos>" before every text."""
+    vocab = {t: i for i, t in enumerate(SPECIALS + list(characters))}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     tok.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", 1)])
@@ -108,16 +117,16 @@ def make_tokenizer():
                                    eos_token="<eos>", unk_token="<unk>")
 
 
-def make_model(tokenizer, seed):
+def make_model(tokenizer, seed, shape=SHAPE):
     torch.manual_seed(seed)
     config = LlamaConfig(vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
                          bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                         tie_word_embeddings=False, **SHAPE)
+                         tie_word_embeddings=False, **shape)
     return LlamaForCausalLM(config)
 
 
-def supervised_batch(tokenizer, pairs):
-    """Right-padded "<bos>a+b=" + digits + "<eos>", the loss on the answer's tokens and the EOS only."""
+def supervised_batch(tokenizer, pairs, prompt=prompt, answer=answer):
+    """Right-padded "<bos>" + prompt + answer + "<eos>", the loss on the answer's tokens and the EOS only."""
     ids, labels = [], []
     for a, b in pairs:
         p = tokenizer(prompt(a, b))["input_ids"]
@@ -132,13 +141,14 @@ def supervised_batch(tokenizer, pairs):
     return input_ids, mask, targets
 
 
-def supervise(model, tokenizer, pairs, steps, batch, lr, seed):
-    """AdamW on random batches of the supervised pairs (seeded), a constant rate."""
+def supervise(model, tokenizer, pairs, steps, seed, task=TASK):
+    """AdamW on random batches of the supervised pairs (seeded), the task's batch size, a constant rate."""
     rng = random.Random(seed)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=task.sft["lr"])
     model.train()
     for _ in range(steps):
-        input_ids, mask, targets = supervised_batch(tokenizer, rng.sample(pairs, batch))
+        batch = rng.sample(pairs, task.sft["batch"])
+        input_ids, mask, targets = supervised_batch(tokenizer, batch, task.prompt, task.answer)
         loss = model(input_ids=input_ids, attention_mask=mask, labels=targets).loss
         loss.backward()
         optimizer.step()
@@ -146,11 +156,11 @@ def supervise(model, tokenizer, pairs, steps, batch, lr, seed):
     return model
 
 
-def train_start(seed=SFT["seed"], steps=SFT["steps"]):
-    """The starting model, made from scratch: (model, tokenizer)."""
-    tokenizer = make_tokenizer()
-    model = make_model(tokenizer, seed)
-    supervise(model, tokenizer, split()["supervised"], steps, SFT["batch"], SFT["lr"], seed)
+def train_start(seed=SFT["seed"], steps=SFT["steps"], task=TASK):
+    """The task's starting model, made from scratch: (model, tokenizer)."""
+    tokenizer = make_tokenizer(task.characters)
+    model = make_model(tokenizer, seed, task.shape)
+    supervise(model, tokenizer, task.split()["supervised"], steps, seed, task)
     return model.eval(), tokenizer
 
 
@@ -161,7 +171,7 @@ def load_start(folder=MODEL):
 
 
 # ---- Held-out accuracy: sampled as training samples ------------------------------------------------------
-EVAL_SEED, EVAL_SAMPLES, MAX_COMPLETION = 1234, 2, 6
+EVAL_SEED, EVAL_SAMPLES = 1234, 2
 GREEDY_T = 1e-4  # "greedy": the same sampler at T = 1e-4, where a second token's chance is e^-(1e4 · gap)
 
 
@@ -184,16 +194,17 @@ def completions_of(model, tokenizer, prompts, samples, temperature, seed, max_co
     return tokenizer.batch_decode(rows, skip_special_tokens=True)
 
 
-def accuracy(model, tokenizer, pairs, samples=EVAL_SAMPLES, temperature=1.0, seed=EVAL_SEED):
+def accuracy(model, tokenizer, pairs, samples=EVAL_SAMPLES, temperature=1.0, seed=EVAL_SEED, task=TASK):
     """Exact-match share over `samples` completions of each pair's prompt."""
-    texts = completions_of(model, tokenizer, [prompt(a, b) for a, b in pairs], samples, temperature, seed)
-    answers = [answer(a, b) for a, b in pairs for _ in range(samples)]
+    prompts = [task.prompt(a, b) for a, b in pairs]
+    texts = completions_of(model, tokenizer, prompts, samples, temperature, seed, task.max_completion)
+    answers = [task.answer(a, b) for a, b in pairs for _ in range(samples)]
     return statistics.mean(exact_match(texts, answers))
 
 
-def held_out_scores(model, tokenizer, pairs):
-    return {"sampled": accuracy(model, tokenizer, pairs),
-            "greedy": accuracy(model, tokenizer, pairs, samples=2, temperature=GREEDY_T)}
+def held_out_scores(model, tokenizer, pairs, task=TASK):
+    return {"sampled": accuracy(model, tokenizer, pairs, task=task),
+            "greedy": accuracy(model, tokenizer, pairs, samples=2, temperature=GREEDY_T, task=task)}
 
 
 # ---- The metrics the trainer logs, under TRL's names or this trainer's older ones -----------------------
@@ -303,8 +314,9 @@ class Recorder:
     """A run's rows. At each step it keeps the step's diagnostics by its place in the generation batch (j =
     the updates made since its completions were sampled); at each of EVALS it writes one row: the held-out
     accuracy and the diagnostics' means since the last row. Its own object, so that no name of it can
-    shadow one of the trainer's. Another testbed changes its class attributes and its score."""
-    eval_batches, budgets, step_size = EVALS, BUDGETS, STEP_SIZE
+    shadow one of the trainer's. Another testbed changes its class attributes: its evaluations, its
+    mini-batch's size and the task it scores."""
+    eval_batches, budgets, step_size, task = EVALS, BUDGETS, STEP_SIZE, TASK
 
     def __init__(self, tags, reward, held_out, rows_path):
         self.tags, self.reward, self.held_out, self.rows_path = tags, reward, held_out, rows_path
@@ -367,7 +379,7 @@ class Recorder:
 
     def score(self, model, tokenizer, temperature):
         """Held-out accuracy at the temperature (1: the plan's score; GREEDY_T: greedy)."""
-        return accuracy(model, tokenizer, self.held_out, temperature=temperature)
+        return accuracy(model, tokenizer, self.held_out, temperature=temperature, task=self.task)
 
 
 class Run(long_runs.GRPOTrainer):
@@ -375,20 +387,27 @@ class Run(long_runs.GRPOTrainer):
         self.recorder.log(self, metrics)
 
 
-def run_one(tags, start, tokenizer, rows_path, reward="exact", max_batches=max(EVALS)):
-    """One run from a copy of the starting model: (arm, lr, seed) from tags, its rows appended to
-    rows_path. The temporary output_dir (the trainer's final save) is deleted."""
-    out = tempfile.mkdtemp(prefix="addition-")
+# What one testbed runs GRPO with: its name (for temporary folders), its task, its starting model's folder,
+# the trainer's settings and the classes of its trainer, its reward function and its recorder. Another
+# testbed passes its own to run_one, serve, probe and command.
+Testbed = namedtuple("Testbed", "name task model config Run Reward Recorder")
+ADDITION = Testbed("addition", TASK, MODEL, CONFIG, Run, Reward, Recorder)
+
+
+def run_one(tags, start, tokenizer, rows_path, reward="exact", max_batches=max(EVALS), bed=ADDITION):
+    """One run of the testbed from a copy of the starting model: (arm, lr, seed) from tags, its rows appended
+    to rows_path. The temporary output_dir (the trainer's final save) is deleted."""
+    out = tempfile.mkdtemp(prefix=f"{bed.name}-")
     try:
-        arm = tags["arm"]
-        config = long_runs.GRPOConfig(**CONFIG, **ARMS[arm], learning_rate=tags["lr"], seed=tags["seed"],
-                               max_steps=steps_at(arm, max_batches), output_dir=out)
-        fn = Reward(reward, config)
-        trainer = Run(copy_model(start), [fn], args=config, train_dataset=dataset(split()["grpo"]),
-                      processing_class=tokenizer)
+        arm, pairs = tags["arm"], bed.task.split()
+        config = long_runs.GRPOConfig(**bed.config, **ARMS[arm], learning_rate=tags["lr"], seed=tags["seed"],
+                                      max_steps=steps_at(arm, max_batches), output_dir=out)
+        fn = bed.Reward(reward, config)
+        trainer = bed.Run(copy_model(start), [fn], args=config, processing_class=tokenizer,
+                          train_dataset=dataset(pairs["grpo"], bed.task.prompt, bed.task.answer))
         fn.model, fn.tokenizer = trainer.model, trainer.tokenizer
-        trainer.recorder = Recorder({**tags, "attempt": uuid.uuid4().hex[:8]}, fn, split()["held_out"],
-                                    rows_path)
+        trainer.recorder = bed.Recorder({**tags, "attempt": uuid.uuid4().hex[:8]}, fn, pairs["held_out"],
+                                        rows_path)
         trainer.train()
     finally:
         shutil.rmtree(out, ignore_errors=True)
@@ -579,7 +598,7 @@ def work(command, worker, folder=ROWS):
     """Run the command's runs until none is left ("confirm": the bridge's, then the confirmation's);
     another worker may share the folder."""
     version = code_version()
-    rows_path, claims_path = os.path.join(folder, "rows.jsonl"), os.path.join(folder, "claims.jsonl")
+    rows_path = os.path.join(folder, "rows.jsonl")
     os.makedirs(folder, exist_ok=True)
     phases = ["tune"]
     if command == "confirm":
@@ -587,9 +606,16 @@ def work(command, worker, folder=ROWS):
         over = {arm for arm, _ in chosen_rates(read(rows_path))}
         require(over == set(ARMS), f"the tuning of {sorted(set(ARMS) - over)} is not over: run tune first")
         phases = ["bridge", "confirm"]
-    start, tokenizer = load_start()
+    serve(phases, worker, folder, version)
+
+
+def serve(phases, worker, folder, version, bed=ADDITION, planned=tasks, length=run_length):
+    """Claim the phases' runs of the testbed one at a time and run each, `length(phase, arm, lr, rows)`
+    mini-batches long, until none is left."""
+    rows_path, claims_path = os.path.join(folder, "rows.jsonl"), os.path.join(folder, "claims.jsonl")
+    start, tokenizer = load_start(bed.model)
     while True:
-        claimed = claim_next(phases, rows_path, claims_path)
+        claimed = claim_next(phases, rows_path, claims_path, planned)
         if claimed is None:
             break
         if claimed == "wait":
@@ -598,55 +624,76 @@ def work(command, worker, folder=ROWS):
         phase, arm, lr, seed = claimed
         print(f"worker {worker}: {phase} {arm} lr={lr:g} seed={seed}", flush=True)
         tags = {"phase": phase, "arm": arm, "lr": lr, "seed": seed, **version}
-        run_one(tags, start, tokenizer, rows_path, max_batches=run_length(phase, arm, lr, read(rows_path)))
+        batches = length(phase, arm, lr, read(rows_path))
+        run_one(tags, start, tokenizer, rows_path, max_batches=batches, bed=bed)
     print(f"worker {worker}: no {' or '.join(phases)} run is left", flush=True)
 
 
 # ---- Commands ---------------------------------------------------------------------------------------------
-def make(folder=MODEL):
-    """Train the starting model, save it with its tokenizer, and its held-out scores beside it."""
-    began = time.perf_counter()
-    model, tokenizer = train_start()
-    seconds = time.perf_counter() - began
-    scores = held_out_scores(model, tokenizer, split()["held_out"])
+# The fields that `make` writes into start.json beside the starting model; another testbed records more.
+RECORD = ("sampled", "greedy", "sft", "train_seconds", "samples", "held_out_prompts", "eval_seed")
+
+
+def make(folder=MODEL, task=TASK, record=RECORD):
+    """Train the task's starting model, save it with its tokenizer, and beside it the record's fields of its
+    held-out scores, its training and its size."""
+    began, cpu = time.perf_counter(), time.process_time()
+    model, tokenizer = train_start(task.sft["seed"], task.sft["steps"], task)
+    seconds, cpu_seconds = time.perf_counter() - began, time.process_time() - cpu
+    held_out = task.split()["held_out"]
+    scores = held_out_scores(model, tokenizer, held_out, task)
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
-    info = {**scores, "sft": SFT, "train_seconds": round(seconds, 1), "samples": EVAL_SAMPLES,
-            "held_out_prompts": len(split()["held_out"]), "eval_seed": EVAL_SEED}
+    info = {**scores, "sft": task.sft, "train_seconds": round(seconds, 1),
+            "train_cpu_seconds": round(cpu_seconds, 1), "samples": EVAL_SAMPLES,
+            "held_out_prompts": len(held_out), "eval_seed": EVAL_SEED,
+            "weights": sum(p.numel() for p in model.parameters())}
+    info = {key: info[key] for key in record}
     with open(os.path.join(folder, "start.json"), "w") as f:
         json.dump(info, f, indent=1)
     return info
 
 
-def probe(arm, lr, seed, batches, reward, rows_path):
-    """One run, its rows printed at its end (a quick look before a study)."""
-    start, tokenizer = load_start()
+def probe(arm, lr, seed, batches, reward, rows_path, bed=ADDITION):
+    """One run, its rows printed at its end (a quick look before a study, or a confirmation cell checked)."""
+    start, tokenizer = load_start(bed.model)
     run_one({"phase": "probe", "arm": arm, "lr": lr, "seed": seed}, start, tokenizer, rows_path,
-            reward=reward, max_batches=batches)
+            reward=reward, max_batches=batches, bed=bed)
     for row in read(rows_path):
         print(json.dumps(row, ensure_ascii=False))
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def parser(description, arms, lr, batches, rows, rewards):
+    """A testbed's command line: its arms, and a probe's rate and mini-batches unless given."""
+    p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("command", choices=["make", "probe", "tune", "confirm"])
     p.add_argument("--worker", type=int, default=0, help="a name for this worker's lines")
-    p.add_argument("--rows", default=ROWS, help="the folder of rows.jsonl and claims.jsonl")
-    p.add_argument("--arm", default="μ=1", choices=list(ARMS))
-    p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--rows", default=rows, help="the folder of rows.jsonl and claims.jsonl")
+    p.add_argument("--arm", default="μ=1", choices=list(arms))
+    p.add_argument("--lr", type=float, default=lr)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--batches", type=int, default=max(EVALS))
-    p.add_argument("--reward", default="exact", choices=list(REWARDS))
-    opts = p.parse_args(argv)
+    p.add_argument("--batches", type=int, default=batches)
+    p.add_argument("--reward", default="exact", choices=list(rewards))
+    return p
+
+
+def command(opts, bed, make_start, work_phases):
+    """Run the command line's command: the testbed's `make_start` or `work_phases`, or a probe of one run."""
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     if opts.command == "make":
-        print(json.dumps(make(), indent=1))
+        print(json.dumps(make_start(), indent=1))
     elif opts.command in ("tune", "confirm"):
-        work(opts.command, opts.worker, opts.rows)
+        work_phases(opts.command, opts.worker, opts.rows)
     else:
-        folder = tempfile.mkdtemp(prefix="addition-probe-")
-        probe(opts.arm, opts.lr, opts.seed, opts.batches, opts.reward, os.path.join(folder, "rows.jsonl"))
+        folder = tempfile.mkdtemp(prefix=f"{bed.name}-probe-")
+        rows_path = os.path.join(folder, "rows.jsonl")
+        probe(opts.arm, opts.lr, opts.seed, opts.batches, opts.reward, rows_path, bed)
         shutil.rmtree(folder)
+
+
+def main(argv=None):
+    opts = parser(__doc__, ARMS, 1e-4, max(EVALS), ROWS, REWARDS).parse_args(argv)
+    command(opts, ADDITION, make, work)
 
 
 if __name__ == "__main__":

@@ -118,20 +118,21 @@ def collapsed(accuracy, start):
 
 
 # ---- The rows ---------------------------------------------------------------------------------------------
-def at_budget(run, batches):
-    """The run's row after `batches` mini-batches of 64 completions; None if the run stopped before."""
+def at_budget(run, batches, step_size=ad.STEP_SIZE):
+    """The run's row after `batches` mini-batches of `step_size` completions (64 here); None if the run has no
+    evaluation there."""
     for r in run:
-        if r["completions"] == batches * ad.STEP_SIZE:
+        if r["completions"] == batches * step_size:
             return r
     return None
 
 
-def by_seed(runs, phase, arm, lr, batches, field="accuracy"):
+def by_seed(runs, phase, arm, lr, batches, field="accuracy", step_size=ad.STEP_SIZE):
     """{seed: the field at `batches`} of the phase's finished runs of (arm, lr) that went that far (a bridge
     or confirmation run stops at the largest budget that chose its rate)."""
     found = {}
     for (p, a, r, seed), run in runs.items():
-        row = at_budget(run, batches)
+        row = at_budget(run, batches, step_size)
         if (p, a, r) == (phase, arm, lr) and row is not None:
             found[seed] = row[field]
     return found
@@ -146,6 +147,10 @@ def fmt(stat, signed=False):
     return (f"{100 * stat['mean']:{sign}.1f} [{100 * stat['low']:{sign}.1f}, {100 * stat['high']:{sign}.1f}]")
 
 
+PER_PASS_HEAD = ["| arm | rate | clip by j (%) | KL k3 by j (×1e-3) | outside by j (%) |",
+                 "|---|---|---|---|---|"]
+
+
 def per_pass(runs, phase, arm, lr):
     """Means by j (updates since sampling) of the clip fraction, k3 KL and the share outside [0.8, 1.2]
     over the phase's finished runs of (arm, lr), every row weighted alike."""
@@ -157,6 +162,13 @@ def per_pass(runs, phase, arm, lr):
         for j in range(ad.cycle(arm)[1]):
             out[field].append(statistics.mean(c[j] for c in columns if c[j] is not None))
     return out
+
+
+def per_pass_line(arm, lr, d):
+    """The per-pass table's line of (arm, lr), d from per_pass."""
+    return (f"| {arm} | {lr:g} | " + ", ".join(pct(x) for x in d["clip"]) + " | "
+            + ", ".join(f"{1e3 * x:.2f}" for x in d["kl"]) + " | " + ", ".join(pct(x) for x in d["outside"])
+            + " |")
 
 
 # ---- The tables -----------------------------------------------------------------------------------------
@@ -214,18 +226,14 @@ def tuning_section(rows, runs, start):
     lines += ["", "Per pass, at each arm's best tuning rate for 8,192 completions (tuning seeds): the clip "
               "fraction, the k3 estimate of KL(π_old ‖ π_θ) and the share of tokens with ρ outside "
               "[0.8, 1.2], by j = the updates made since the completions were sampled (j = 0: ρ = 1)", "",
-              "| arm | rate | clip by j (%) | KL k3 by j (×1e-3) | outside by j (%) |",
-              "|---|---|---|---|---|"]
+              *PER_PASS_HEAD]
     for arm in ad.ARMS:
         by_lr = tuning.get((arm, max(ad.BUDGETS)), {})
         at = {lr: statistics.mean(s.values()) for lr, s in by_lr.items()}  # the seeds finished so far
         if not at:
             continue
         best = max(at, key=at.get)
-        d = per_pass(runs, "tune", arm, best)
-        lines.append(f"| {arm} | {best:g} | " + ", ".join(pct(x) for x in d["clip"]) + " | "
-                     + ", ".join(f"{1e3 * x:.2f}" for x in d["kl"]) + " | "
-                     + ", ".join(pct(x) for x in d["outside"]) + " |")
+        lines.append(per_pass_line(arm, best, per_pass(runs, "tune", arm, best)))
     return lines, {"tuning": summary, "tuning_collapse": shares}
 
 
@@ -337,6 +345,14 @@ def break_even_share(ratio, mu, r, old):
     return (mu + old - ratio) / (mu + old - r)
 
 
+def break_even_interval(ratio, mu, r, old):
+    """g* {"mean", "low", "high"} of the completions ratio {"mean", "low", "high"}: the more completions μ = 1
+    needs, the lower g*, so the ratio's high end gives g*'s low end."""
+    return {"mean": break_even_share(ratio["mean"], mu, r, old),
+            "low": break_even_share(ratio["high"], mu, r, old),
+            "high": break_even_share(ratio["low"], mu, r, old)}
+
+
 def seeds_to_decide(diff, threshold):
     """About how many seeds the paired interval `diff` needs to leave out `threshold`, its half width
     shrinking as 1/√n while its mean, its spread and its level stay as they are."""
@@ -362,14 +378,14 @@ def share(x):
     return f"{x:.2f}"
 
 
-def mean_curve(runs, arm, lr):
+def mean_curve(runs, arm, lr, evals=ad.EVALS, step_size=ad.STEP_SIZE):
     """[(completions, mean held-out sampled accuracy)] of the arm's confirmation runs at lr, at every
-    evaluation that two seeds or more reached."""
+    evaluation (after `evals` mini-batches of `step_size` completions) that two seeds or more reached."""
     curve = []
-    for k in ad.EVALS:
-        values = by_seed(runs, "confirm", arm, lr, k)
+    for k in evals:
+        values = by_seed(runs, "confirm", arm, lr, k, step_size=step_size)
         if len(values) >= 2:
-            curve.append((k * ad.STEP_SIZE, statistics.mean(values.values())))
+            curve.append((k * step_size, statistics.mean(values.values())))
     return curve
 
 
@@ -409,9 +425,7 @@ def break_even_section(rows, runs, confirmation, old):
             mu = ad.ARMS[arm]["num_iterations"]
             beyond = at + diff["high"] > top
             for r in R_ENDS.get(arm, (1.0,)):
-                g_star = {"mean": break_even_share(ratio["mean"], mu, r, old),
-                          "low": break_even_share(ratio["high"], mu, r, old),
-                          "high": break_even_share(ratio["low"], mu, r, old)}
+                g_star = break_even_interval(ratio, mu, r, old)
                 reading_there = pays_at(G_ASKED, g_star)
                 needed = "—"
                 if reading_there == "undecided":
@@ -483,16 +497,13 @@ def per_pass_section(rows, runs):
              "Each arm at its rate for 8,192 completions: the clip fraction, the k3 estimate of "
              "KL(π_old ‖ π_θ) and the share of tokens with ρ outside [0.8, 1.2], by j = the updates made "
              "since the completions were sampled (j = 0: ρ = 1), means over every step of the runs.", "",
-             "| arm | rate | clip by j (%) | KL k3 by j (×1e-3) | outside by j (%) |",
-             "|---|---|---|---|---|"]
+             *PER_PASS_HEAD]
     summary = {}
     for arm in ad.ARMS:
         lr = chosen[arm, max(ad.BUDGETS)]
         d = per_pass(runs, "confirm", arm, lr)
         summary[arm] = {"rate": lr, **d}
-        lines.append(f"| {arm} | {lr:g} | " + ", ".join(pct(x) for x in d["clip"]) + " | "
-                     + ", ".join(f"{1e3 * x:.2f}" for x in d["kl"]) + " | "
-                     + ", ".join(pct(x) for x in d["outside"]) + " |")
+        lines.append(per_pass_line(arm, lr, d))
     return lines, {"per_pass": summary}
 
 
@@ -637,16 +648,11 @@ def draw(rows, runs, start, path):
     left.legend(fontsize=8)
     for axes in (left, right):
         axes.grid(alpha=0.3)
-    figure.tight_layout()
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
+    save(figure, path, 110)
 
 
 def report(rows_path, folder, results):
-    rows = ad.read(rows_path)
-    runs = ad.finished_runs(rows)
-    with open(START) as f:
-        start = json.load(f)["sampled"]
+    rows, runs, start = load(rows_path, START)
     lines = ["# 2-digit sums: what μ buys, the report", "",
              f"Setting: docs/addition/plan.md. Starting model: {pct(start)} % held-out sampled exact match. "
              f"Rows: {len(rows)}, finished runs: {len(runs)} "
@@ -666,6 +672,30 @@ def report(rows_path, folder, results):
     for section in (tuning_section(rows, runs, start), seconds_section(rows, runs)):
         lines += section[0] + [""]
         summary.update(section[1])
+    write(lines, summary, rows_path, folder, results)
+    draw(rows, runs, start, os.path.join(folder, "accuracy.png"))
+    return "\n".join(lines)
+
+
+def load(rows_path, start_path):
+    """A report's input: the rows, their finished runs, and the starting model's held-out sampled accuracy
+    from its start.json."""
+    rows = ad.read(rows_path)
+    with open(start_path) as f:
+        start = json.load(f)["sampled"]
+    return rows, ad.finished_runs(rows), start
+
+
+def save(figure, path, dpi):
+    """A report's chart laid out, written to `path` and closed."""
+    import matplotlib.pyplot as plt  # Imported here as in draw(), which has chosen the backend by now.
+    figure.tight_layout()
+    figure.savefig(path, dpi=dpi)
+    plt.close(figure)
+
+
+def write(lines, summary, rows_path, folder, results):
+    """A report's table.md into `folder`; its summary.json, and a copy of the rows it read, into `results`."""
     os.makedirs(folder, exist_ok=True)
     os.makedirs(results, exist_ok=True)
     if os.path.abspath(rows_path) != os.path.abspath(os.path.join(results, "rows.jsonl")):
@@ -673,17 +703,21 @@ def report(rows_path, folder, results):
     with open(os.path.join(folder, "table.md"), "w") as f:
         f.write("\n".join(lines))
     with open(os.path.join(results, "summary.json"), "w") as f:
-        json.dump(summary, f, indent=1, ensure_ascii=False)
-    draw(rows, runs, start, os.path.join(folder, "accuracy.png"))
-    return "\n".join(lines)
+        json.dump(summary, f, indent=1, ensure_ascii=False, default=str)
+
+
+def arguments(argv, description, rows, folder, results):
+    """A report's command line: the rows it reads (unless given, rows.jsonl in the folder `rows`), and where
+    its pages (`folder`) and its data (`results`) go."""
+    p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("rows", nargs="?", default=os.path.join(rows, "rows.jsonl"))
+    p.add_argument("--folder", default=folder, help="where table.md and accuracy.png go")
+    p.add_argument("--results", default=results, help="where rows.jsonl and summary.json go")
+    return p.parse_args(argv)
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("rows", nargs="?", default=os.path.join(ad.ROWS, "rows.jsonl"))
-    p.add_argument("--folder", default=ad.FOLDER, help="where table.md and accuracy.png go")
-    p.add_argument("--results", default=ad.RESULTS, help="where rows.jsonl and summary.json go")
-    opts = p.parse_args(argv)
+    opts = arguments(argv, __doc__, ad.ROWS, ad.FOLDER, ad.RESULTS)
     print(report(opts.rows, opts.folder, opts.results))
 
 

@@ -18,17 +18,12 @@ accuracy. `make` trains it and writes it to experiments/progression_model (commi
     python -m experiments.progression confirm --worker 0        # one worker per core, resumable
     python -m experiments.progression_report                    # docs/progression/table.md and the data
 
-The runs use experiments/addition.py's machinery (its Reward and Recorder, the rows, the claims, the code
-hash) with this task's numbers; their rows go to runs/progression/rows.jsonl.
+The starting model and the runs use experiments/addition.py's machinery (its tokenizer, model, supervised
+start and scorer, its Reward, Recorder and Run, the rows, the claims, the code hash and the commands) with
+this task's characters and numbers; the rows go to runs/progression/rows.jsonl.
 """
-import argparse, json, os, random, shutil, statistics, tempfile, time, uuid
+import os, random, time
 
-import torch
-from datasets import Dataset
-from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-
-import grpo_long_runs as long_runs
 from experiments import addition as ad
 
 ROOT = ad.ROOT
@@ -59,113 +54,44 @@ def answer(a, d):
     return ",".join(str(a + k * d) for k in range(TERMS))
 
 
-def dataset(pairs):  # the trainer's train_dataset: the "answer" column reaches the reward function
-    return Dataset.from_dict({"prompt": [prompt(a, d) for a, d in pairs],
-                              "answer": [answer(a, d) for a, d in pairs]})
+exact_match = ad.exact_match  # addition's: 1 where the completion is exactly the progression, else 0
 
-
-def exact_match(completions, answer, **kwargs):
-    """1 where the completion (decoded up to its first EOS) is exactly the progression, else 0."""
-    return [float(c == a) for c, a in zip(completions, answer)]
-
-
-# ---- The tokenizer and the starting model ----------------------------------------------------------------
-SPECIALS = ["<pad>", "<bos>", "<eos>", "<unk>"]
+# ---- The tokenizer and the starting model: addition's, with this task's characters and numbers ----------
+CHARACTERS = "0123456789+:,"
 SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=4, max_position_embeddings=64)
 SFT = dict(seed=0, steps=350, batch=64, lr=1e-3)
+MAX_COMPLETION = 40  # the longest answer: 39 tokens with its EOS
+TASK = ad.Task(prompt, answer, split, CHARACTERS, SHAPE, SFT, MAX_COMPLETION)
+# What `make` writes into start.json: addition's record, with the CPU seconds and the weights.
+RECORD = ("sampled", "greedy", "sft", "train_seconds", "train_cpu_seconds", "samples", "held_out_prompts",
+          "eval_seed", "weights")
 
 
 def make_tokenizer():
-    """One token per character: the specials, the digits, '+', ':' and ','; "<bos>" before every text."""
-    vocab = {t: i for i, t in enumerate(SPECIALS + list("0123456789+:,"))}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    tok.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", 1)])
-    tok.decoder = decoders.Fuse()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<bos>",
-                                   eos_token="<eos>", unk_token="<unk>")
-
-
-def make_model(tokenizer, seed):
-    torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
-                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                         tie_word_embeddings=False, **SHAPE)
-    return LlamaForCausalLM(config)
-
-
-def supervised_batch(tokenizer, pairs):
-    """Right-padded "<bos>a+d:" + the terms + "<eos>", the loss on the answer's tokens and the EOS only."""
-    ids, labels = [], []
-    for a, d in pairs:
-        p = tokenizer(prompt(a, d))["input_ids"]
-        c = tokenizer(answer(a, d), add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-        ids.append(p + c)
-        labels.append([-100] * len(p) + c)
-    width = max(map(len, ids))
-    pad = tokenizer.pad_token_id
-    input_ids = torch.tensor([x + [pad] * (width - len(x)) for x in ids])
-    mask = torch.tensor([[1] * len(x) + [0] * (width - len(x)) for x in ids])
-    targets = torch.tensor([x + [-100] * (width - len(x)) for x in labels])
-    return input_ids, mask, targets
-
-
-def train_start(seed=SFT["seed"], steps=SFT["steps"]):
-    """The starting model, made from scratch: (model, tokenizer). AdamW on random batches of the supervised
-    prompts (seeded), a constant rate."""
-    tokenizer = make_tokenizer()
-    model = make_model(tokenizer, seed)
-    pairs, rng = split()["supervised"], random.Random(seed)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=SFT["lr"])
-    model.train()
-    for _ in range(steps):
-        input_ids, mask, targets = supervised_batch(tokenizer, rng.sample(pairs, SFT["batch"]))
-        model(input_ids=input_ids, attention_mask=mask, labels=targets).loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-    return model.eval(), tokenizer
+    return ad.make_tokenizer(CHARACTERS)
 
 
 def load_start(folder=MODEL):
     return ad.load_start(folder)
 
 
-# ---- Held-out accuracy: sampled as training samples ------------------------------------------------------
-EVAL_SEED, EVAL_SAMPLES, MAX_COMPLETION = 1234, 2, 40  # the longest answer: 39 tokens with its EOS
-
-
-def accuracy(model, tokenizer, pairs, samples=EVAL_SAMPLES, temperature=1.0, seed=EVAL_SEED):
-    """Exact-match share over `samples` completions of each prompt, sampled by addition's scorer."""
-    texts = ad.completions_of(model, tokenizer, [prompt(a, d) for a, d in pairs], samples, temperature, seed,
-                              max_completion=MAX_COMPLETION)
-    answers = [answer(a, d) for a, d in pairs for _ in range(samples)]
-    return statistics.mean(exact_match(texts, answers))
-
-
-def held_out_scores(model, tokenizer, pairs):
-    return {"sampled": accuracy(model, tokenizer, pairs),
-            "greedy": accuracy(model, tokenizer, pairs, temperature=ad.GREEDY_T)}
-
-
-# ---- One GRPO run ------------------------------------------------------------------------------------------
+# ---- One GRPO run: addition's, with this task's mini-batch, evaluations and trainer ---------------------
 GROUP, PROMPTS_PER_STEP = 8, 2  # completions per prompt, prompts per mini-batch: 16 completions
 STEP_SIZE = GROUP * PROMPTS_PER_STEP
 CONFIG = dict(ad.CONFIG, per_device_train_batch_size=STEP_SIZE, max_completion_length=MAX_COMPLETION)
 ARMS = {arm: ad.ARMS[arm] for arm in ("μ=1", "μ=2", "μ=4")}
+REWARDS = {"exact": exact_match}
 # Held-out scores after this many mini-batches of 16 completions, and the budget of the question.
 EVALS, BUDGET = (8, 16, 32, 64), 64
 
 
 class Reward(ad.Reward):
-    rewards, step_size, diag_rows = {"exact": exact_match}, STEP_SIZE, 4  # a quarter of each mini-batch
+    rewards, step_size, diag_rows = REWARDS, STEP_SIZE, 4  # a quarter of each mini-batch
 
 
 class Recorder(ad.Recorder):
-    eval_batches, budgets, step_size = EVALS, (BUDGET,), STEP_SIZE
-
-    def score(self, model, tokenizer, temperature):
-        return accuracy(model, tokenizer, self.held_out, temperature=temperature)
+    eval_batches, budgets, step_size, task = EVALS, (BUDGET,), STEP_SIZE, TASK
 
 
 class Run(ad.Run):
@@ -197,23 +123,13 @@ class Run(ad.Run):
         super().log(metrics)
 
 
+PROGRESSION = ad.Testbed("progression", TASK, MODEL, CONFIG, Run, Reward, Recorder)
+
+
 def run_one(tags, start, tokenizer, rows_path, max_batches=BUDGET):
     """One run from a copy of the starting model: (arm, lr, seed) from tags, its rows appended to
     rows_path."""
-    out = tempfile.mkdtemp(prefix="progression-")
-    try:
-        arm = tags["arm"]
-        config = long_runs.GRPOConfig(**CONFIG, **ARMS[arm], learning_rate=tags["lr"], seed=tags["seed"],
-                                      max_steps=max_batches * ARMS[arm]["num_iterations"], output_dir=out)
-        fn = Reward("exact", config)
-        trainer = Run(ad.copy_model(start), [fn], args=config, train_dataset=dataset(split()["grpo"]),
-                         processing_class=tokenizer)
-        fn.model, fn.tokenizer = trainer.model, trainer.tokenizer
-        trainer.recorder = Recorder({**tags, "attempt": uuid.uuid4().hex[:8]}, fn, split()["held_out"],
-                                    rows_path)
-        trainer.train()
-    finally:
-        shutil.rmtree(out, ignore_errors=True)
+    ad.run_one(tags, start, tokenizer, rows_path, max_batches=max_batches, bed=PROGRESSION)
 
 
 # ---- The study (docs/progression/plan.md) ------------------------------------------------------------------
@@ -270,12 +186,16 @@ def planned(phase, rows):
     return [(arm, chosen[arm], seed) for seed in SEEDS[phase] for arm in ARMS if arm in chosen]
 
 
+def run_length(phase, arm, lr, rows):
+    """Every run goes to the budget."""
+    return BUDGET
+
+
 def work(command, worker, folder=ROWS):
     """Run the command's runs until none is left; another worker may share the folder."""
     version = ad.code_version(CODE)
-    rows_path, claims_path = os.path.join(folder, "rows.jsonl"), os.path.join(folder, "claims.jsonl")
     os.makedirs(folder, exist_ok=True)
-    rows = ad.read(rows_path)
+    rows = ad.read(os.path.join(folder, "rows.jsonl"))
     if command == "confirm":
         committed = ad.git("ls-files", PLAN) and not ad.git("status", "--porcelain", "--", PLAN)
         require(committed, f"{PLAN} is not committed: the plan comes first")
@@ -283,66 +203,18 @@ def work(command, worker, folder=ROWS):
     codes = {r["code"] for r in rows}
     require(codes <= {version["code"]}, f"the rows so far ran at code {sorted(codes)}, this is "
             f"{version['code']} (commit {version['commit'][:7]}): one study, one version of the code")
-    start, tokenizer = load_start()
-    while True:
-        claimed = ad.claim_next([command], rows_path, claims_path, planned)
-        if claimed is None:
-            break
-        if claimed == "wait":
-            time.sleep(15)
-            continue
-        phase, arm, lr, seed = claimed
-        print(f"worker {worker}: {phase} {arm} lr={lr:g} seed={seed}", flush=True)
-        run_one({"phase": phase, "arm": arm, "lr": lr, "seed": seed, **version}, start, tokenizer, rows_path)
-    print(f"worker {worker}: no {command} run is left", flush=True)
+    ad.serve([command], worker, folder, version, PROGRESSION, planned, run_length)
 
 
-# ---- Commands ---------------------------------------------------------------------------------------------
+# ---- Commands: addition's, with this testbed's task, record and runs -------------------------------------
 def make(folder=MODEL):
     """Train the starting model, save it with its tokenizer, and its held-out scores beside it."""
-    began, cpu = time.perf_counter(), time.process_time()
-    model, tokenizer = train_start()
-    seconds, cpu_seconds = time.perf_counter() - began, time.process_time() - cpu
-    scores = held_out_scores(model, tokenizer, split()["held_out"])
-    model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    info = {**scores, "sft": SFT, "train_seconds": round(seconds, 1),
-            "train_cpu_seconds": round(cpu_seconds, 1),
-            "samples": EVAL_SAMPLES, "held_out_prompts": len(split()["held_out"]), "eval_seed": EVAL_SEED,
-            "weights": sum(p.numel() for p in model.parameters())}
-    with open(os.path.join(folder, "start.json"), "w") as f:
-        json.dump(info, f, indent=1)
-    return info
-
-
-def probe(arm, lr, seed, batches, rows_path):
-    """One run, its rows printed at its end (a quick look, or one confirmation cell checked)."""
-    start, tokenizer = load_start()
-    run_one({"phase": "probe", "arm": arm, "lr": lr, "seed": seed}, start, tokenizer, rows_path,
-            max_batches=batches)
-    for row in ad.read(rows_path):
-        print(json.dumps(row, ensure_ascii=False))
+    return ad.make(folder, TASK, RECORD)
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("command", choices=["make", "probe", "tune", "confirm"])
-    p.add_argument("--worker", type=int, default=0, help="a name for this worker's lines")
-    p.add_argument("--rows", default=ROWS, help="the folder of rows.jsonl and claims.jsonl")
-    p.add_argument("--arm", default="μ=1", choices=list(ARMS))
-    p.add_argument("--lr", type=float, default=5e-4)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--batches", type=int, default=BUDGET)
-    opts = p.parse_args(argv)
-    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    if opts.command == "make":
-        print(json.dumps(make(), indent=1))
-    elif opts.command in ("tune", "confirm"):
-        work(opts.command, opts.worker, opts.rows)
-    else:
-        folder = tempfile.mkdtemp(prefix="progression-probe-")
-        probe(opts.arm, opts.lr, opts.seed, opts.batches, os.path.join(folder, "rows.jsonl"))
-        shutil.rmtree(folder)
+    opts = ad.parser(__doc__, ARMS, 5e-4, BUDGET, ROWS, REWARDS).parse_args(argv)
+    ad.command(opts, PROGRESSION, make, work)
 
 
 if __name__ == "__main__":

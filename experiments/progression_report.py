@@ -8,9 +8,8 @@ summary.json into experiments/progression_results. Before any confirmation row i
 alone (and says so). The statistics are addition_report's: t-intervals, Holm's correction, the reading
 against the ±3-point margin, the completions ratio and the break-even share.
 """
-import argparse, json, math, os, shutil, statistics
+import os, statistics
 
-from experiments import addition as ad
 from experiments import addition_report as rep
 from experiments import progression as pr
 
@@ -20,22 +19,9 @@ READINGS = ("per completion", "per step", "per CPU second")
 
 
 # ---- The rows -------------------------------------------------------------------------------------------
-def at_batches(run, batches):
-    """The run's row after `batches` mini-batches; None if the run has no evaluation there."""
-    for r in run:
-        if r["completions"] == batches * pr.STEP_SIZE:
-            return r
-    return None
-
-
 def by_seed(runs, phase, arm, lr, batches, field="accuracy"):
-    """{seed: the field after `batches` mini-batches} of the phase's finished runs of (arm, lr)."""
-    found = {}
-    for (p, a, x, seed), run in runs.items():
-        row = at_batches(run, batches)
-        if (p, a, x) == (phase, arm, lr) and row is not None:
-            found[seed] = row[field]
-    return found
+    """{seed: the field after `batches` mini-batches of 16} of the phase's finished runs of (arm, lr)."""
+    return rep.by_seed(runs, phase, arm, lr, batches, field, pr.STEP_SIZE)
 
 
 def at_seconds(run, seconds, start):
@@ -54,7 +40,7 @@ def per_second(runs, arm, lr, base_lr, start):
         if (p, a, x) != ("confirm", arm, lr):
             continue
         base = runs.get(("confirm", "μ=1", base_lr, seed))
-        row = None if base is None else at_batches(base, pr.BUDGET)
+        row = None if base is None else rep.at_budget(base, pr.BUDGET, pr.STEP_SIZE)
         if row is None:
             continue
         found[seed], past = at_seconds(run, row["cpu_seconds"], start)
@@ -94,16 +80,6 @@ def shares(runs, phase="confirm"):
     if sums["old_batches"]:
         out["old"] = sums["old"] / sums["old_batches"] / (sums["update"] / sums["batches"])
     return out
-
-
-def mean_curve(runs, lr):
-    """[(completions, mean held-out accuracy)] of μ = 1's confirmation runs at lr, at every evaluation."""
-    curve = []
-    for k in pr.EVALS:
-        values = by_seed(runs, "confirm", "μ=1", lr, k)
-        if len(values) >= 2:
-            curve.append((k * pr.STEP_SIZE, statistics.mean(values.values())))
-    return curve
 
 
 def rising_tail(curve):
@@ -215,7 +191,7 @@ def timing_section(runs, summary):
     if not measured or "old" not in measured:
         return [], {}
     chosen_mu1 = summary["arms"]["μ=1"]["rate"]
-    curve = rising_tail(mean_curve(runs, chosen_mu1))
+    curve = rising_tail(rep.mean_curve(runs, "μ=1", chosen_mu1, pr.EVALS, pr.STEP_SIZE))
     budget = pr.BUDGET * pr.STEP_SIZE
     lines = ["## Generation's share, and TRL PR #2899's terms", "",
              "Generation's share of a μ = 1 step, from the confirmation's μ = 1 runs: "
@@ -242,9 +218,7 @@ def timing_section(runs, summary):
             continue
         mu = pr.ARMS[arm]["num_iterations"]
         ratio = rep.completions_ratio(curve, budget, d)
-        g_star = {"mean": rep.break_even_share(ratio["mean"], mu, 1.0, measured["old"]),
-                  "low": rep.break_even_share(ratio["high"], mu, 1.0, measured["old"]),
-                  "high": rep.break_even_share(ratio["low"], mu, 1.0, measured["old"])}
+        g_star = rep.break_even_interval(ratio, mu, 1.0, measured["old"])
         predicted = rep.predicted(measured["g"], mu, 1, 1.0, measured["old"])
         actual = summary["arms"][arm]["cpu_seconds"] / base_seconds
         mark = "*" if dict(curve)[budget] + d["high"] > curve[-1][1] else ""
@@ -265,18 +239,14 @@ def per_pass_section(rows, runs, phase, chosen):
              "share "
              "of tokens with ρ outside [0.8, 1.2], by j = the updates made since the completions were "
              "sampled "
-             "(j = 0: ρ = 1), means over every step of the runs.", "",
-             "| arm | rate | clip by j (%) | KL k3 by j (×1e-3) | outside by j (%) |",
-             "|---|---|---|---|---|"]
+             "(j = 0: ρ = 1), means over every step of the runs.", "", *rep.PER_PASS_HEAD]
     summary = {}
     for arm in COMPARED:
         if arm not in chosen:
             continue
         d = rep.per_pass(runs, phase, arm, chosen[arm])
         summary[arm] = {"rate": chosen[arm], **d}
-        lines.append(f"| {arm} | {chosen[arm]:g} | " + ", ".join(rep.pct(x) for x in d["clip"]) + " | "
-                     + ", ".join(f"{1e3 * x:.2f}" for x in d["kl"]) + " | "
-                     + ", ".join(rep.pct(x) for x in d["outside"]) + " |")
+        lines.append(rep.per_pass_line(arm, chosen[arm], d))
     return lines, summary
 
 
@@ -353,16 +323,11 @@ def draw(runs, phase, chosen, start, path):
     figure.suptitle(f"Arithmetic progressions (31-39-token answers), {phase} seeds: the mean, shaded "
                     f"its 95 % "
                     "t-interval", fontsize=10)
-    figure.tight_layout()
-    figure.savefig(path, dpi=100)
-    plt.close(figure)
+    rep.save(figure, path, 100)
 
 
 def report(rows_path, folder, results):
-    rows = ad.read(rows_path)
-    runs = ad.finished_runs(rows)
-    with open(START) as f:
-        start = json.load(f)["sampled"]
+    rows, runs, start = rep.load(rows_path, START)
     phases = sorted({k[0] for k in runs})
     lines = ["# Arithmetic progressions: what μ buys where generating dominates, the report", "",
              f"Setting: docs/progression/plan.md. Starting model: {rep.pct(start)} % held-out sampled exact "
@@ -394,25 +359,14 @@ def report(rows_path, folder, results):
     part, more = tuning_section(rows, runs, start)
     lines += part + [""]
     summary.update(more)
-    os.makedirs(folder, exist_ok=True)
-    os.makedirs(results, exist_ok=True)
-    if os.path.abspath(rows_path) != os.path.abspath(os.path.join(results, "rows.jsonl")):
-        shutil.copyfile(rows_path, os.path.join(results, "rows.jsonl"))
-    with open(os.path.join(folder, "table.md"), "w") as f:
-        f.write("\n".join(lines))
-    with open(os.path.join(results, "summary.json"), "w") as f:
-        json.dump(summary, f, indent=1, ensure_ascii=False, default=str)
+    rep.write(lines, summary, rows_path, folder, results)
     if shown:
         draw(runs, phase, shown, start, os.path.join(folder, "accuracy.png"))
     return "\n".join(lines)
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("rows", nargs="?", default=os.path.join(pr.ROWS, "rows.jsonl"))
-    p.add_argument("--folder", default=pr.FOLDER, help="where table.md and accuracy.png go")
-    p.add_argument("--results", default=pr.RESULTS, help="where rows.jsonl and summary.json go")
-    opts = p.parse_args(argv)
+    opts = rep.arguments(argv, __doc__, pr.ROWS, pr.FOLDER, pr.RESULTS)
     print(report(opts.rows, opts.folder, opts.results))
 
 

@@ -57,6 +57,24 @@ def one_thread(monkeypatch):
     torch.set_num_threads(threads)
 
 
+@pytest.fixture
+def start_as_recorded():
+    """check(folder, task): the starting model in `folder` scores on its task's held-out prompts, sampled and
+    greedy, what `make` recorded in its start.json, within 2 points; it returns (model, the record)."""
+    # Imported here, so that only the testbeds' tests load the testbeds' machinery.
+    from experiments import addition
+
+    def check(folder, task):
+        model, tokenizer = addition.load_start(folder)
+        with open(os.path.join(folder, "start.json")) as f:
+            recorded = json.load(f)
+        scores = addition.held_out_scores(model, tokenizer, task.split()["held_out"], task)
+        assert abs(scores["sampled"] - recorded["sampled"]) <= 0.02
+        assert abs(scores["greedy"] - recorded["greedy"]) <= 0.02
+        return model, recorded
+    return check
+
+
 class TinyDemo:
     """The tiny model's folder and its prompts file; the demo's flags for a run of a few seconds on them, and
     the metrics that such a run logs."""
