@@ -192,8 +192,8 @@ def grpo_loss(logps, old_logps, ref_logps, advantages, mask, args, num_seqs, num
 
 # ---- 5. The μ-iteration loop: generate, score, cache, then μ·S optimizer steps -------------------------
 class GRPOLoop:
-    """Algorithm 1's loop and its steps. GRPOTrainer (Part II) makes self.model, self.ref_model (π_ref),
-    self.tokenizer and self.optimizer, and defines start_run, end_of_step, save_final_model and all_reduce."""
+    """Algorithm 1's loop and its steps. GRPOTrainer (Part II) sets the attributes used here (args, model,
+    π_ref, optimizer, ...) and defines start_run, end_of_step, save_final_model and all_reduce."""
 
     def train(self, resume_from_checkpoint=None):
         """Algorithm 1. A generation batch is sampled, scored and cached once, then its S mini-batches are
@@ -472,7 +472,7 @@ class GRPOTrainer(GRPOLoop):
             os.replace(tmp, folder)
 
     def load_checkpoint(self, path):  # JSON and tensors only (torch.load's weights_only): no code runs.
-        with open(os.path.join(path, "trainer_state.json")) as f:  # Each file is read before any is applied.
+        with open(os.path.join(path, "trainer_state.json")) as f:  # All is read before the weights change.
             state = json.load(f)
         then = dict(state["config"], world_size=state["world_size"])
         now = dict(dataclasses.asdict(self.args), world_size=self.world_size)
@@ -485,6 +485,8 @@ class GRPOTrainer(GRPOLoop):
         load = functools.partial(torch.load, map_location=self.device, weights_only=True)
         optimizer = load(os.path.join(path, "optimizer.pt"))
         self.batch = load(os.path.join(path, f"rank_{self.rank}.pt"))
+        if self.rank == 0:  # The rows up to the checkpoint: the resumed run logs the later steps again.
+            shutil.copy(os.path.join(path, "metrics.jsonl"), self.args.output_dir)
         if is_peft(self.model):
             sys.modules["peft"].set_peft_model_state_dict(self.model, weights)
         else:
@@ -493,8 +495,6 @@ class GRPOTrainer(GRPOLoop):
         self.step = state["step"]
         self.window = defaultdict(list, state["window"])
         self.sampled_names = state["sampled_names"]
-        if self.rank == 0:  # The rows up to the checkpoint: the resumed run logs the later steps again.
-            shutil.copy(os.path.join(path, "metrics.jsonl"), self.args.output_dir)
 
     def save_final_model(self):  # For from_pretrained(output_dir): the model, or the adapter, and tokenizer.
         if self.rank == 0:

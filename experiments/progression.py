@@ -1,11 +1,11 @@
 """
 A testbed for GRPO with multi-step optimization (TRL PR #2899) where generating dominates a step even on a
-CPU: arithmetic progressions, answers of 31 to 39 tokens.
+CPU: arithmetic progressions, answers of 32 to 39 tokens with the EOS.
 
 The task: "a+d:" with a in 100..999 and d in 1..9; the answer is the progression's first TERMS terms,
 "a,a+d,...,a+7d", then EOS. The 8,100 prompts are split once (a fixed permutation) into three disjoint
 sets: HELD_OUT prompts that no stage trains on, GRPO_PROMPTS for GRPO and the rest for the supervised
-start. A prompt is short (7 tokens) and its answer long (31 to 39 tokens): generating, one token per call,
+start. A prompt is short (7 tokens) and its answer long (32 to 39 tokens): generating, one token per call,
 costs far more than an update on so few tokens, as on a GPU running HF generate.
 
 The starting model: a LlamaForCausalLM of 2 layers, hidden 64 (about 84k weights), with a character tokenizer
