@@ -393,7 +393,7 @@ class GRPOTrainer(GRPOLoop):
         self.optimizer = torch.optim.AdamW(trained, lr=self.args.learning_rate, fused=True)
         self.step = 0  # Optimizer steps taken; train() starts it anew, or from a checkpoint's.
 
-    def all_reduce(self, x):  # The sum over the processes: one here, so x itself.
+    def all_reduce(self, x):  # The sum over processes: x itself here; grpo_long_runs.py runs several.
         return x
 
     def start_run(self, resume_from_checkpoint):  # A fresh run's state (AdamW's too), or a checkpoint's.
