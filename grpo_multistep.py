@@ -17,7 +17,7 @@ import contextlib, copy, dataclasses, functools, importlib, json, math, os, rand
 from collections import defaultdict
 
 import numpy, safetensors.torch, torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer  # transformers >= 5.24: models take `cache=`.
 
 # ========================================= PART I: THE ALGORITHM =========================================
 # ---- 1. Generation: for each prompt q, sample G completions o_1..o_G ~ π_old(· | q) --------------------
@@ -348,16 +348,13 @@ class GRPOConfig:
     def __post_init__(self):
         check_config(self)
 
-LOWEST = dict(num_generations=2, seed=0, beta=0, learning_rate=0, weight_decay=0, max_grad_norm=0,
-              num_iterations=1, per_device_train_batch_size=1, gradient_accumulation_steps=1, logging_steps=1,
-              max_completion_length=1, max_prompt_length=1, steps_per_generation=1, eval_steps=1,
-              save_steps=1, max_steps=1)
+LOWEST = dict(num_generations=2, seed=0, steps_per_generation=1, eval_steps=1)  # Else counts 1, rates 0.
 
 def check_config(c):  # Values that would fail deep inside torch, or silently differ (None: unset).
     for f in dataclasses.fields(c):
         value = getattr(c, f.name)
         field = f"GRPOConfig.{f.name}={value!r}"
-        low = LOWEST.get(f.name)
+        low = LOWEST.get(f.name, {int: 1, float: 0}.get(type(f.default)))  # By the default's type.
         require(low is None or value is None or value >= low, f"{field} must be >= {low}")
         choices = f.metadata["choices"]  # A misspelt name would silently mean another choice.
         require(choices is None or value in choices, f"{field} must be one of {choices}")
@@ -401,6 +398,8 @@ class GRPOTrainer(GRPOLoop):
         weights = self.args.reward_weights or self.reward_funcs
         require(len(weights) == len(self.reward_funcs), f"reward_weights={self.args.reward_weights} needs "
                 f"one weight per reward function ({len(self.reward_funcs)})")
+        require(self.args.eval_strategy == "no" or self.eval_dataset is not None, "eval_strategy='steps' "
+                "needs an eval_dataset")
         check_trainable(self.model)
         os.makedirs(self.args.output_dir, exist_ok=True)
         self.optimizer.state.clear()  # No moments of an earlier train(),
@@ -553,7 +552,8 @@ def step_metrics(trainer, sums):  # Sums over micro-batches and processes, per l
     return metrics
 
 def check_dataset(dataset, name):  # A datasets.Dataset, with prompts to sample.
-    require("prompt" in dataset.column_names and len(dataset) > 0, f"{name} needs rows and a 'prompt' column")
+    ok = dataset is not None and "prompt" in dataset.column_names and len(dataset) > 0
+    require(ok, f"{name} must be a datasets.Dataset with rows and a 'prompt' column")
     return dataset
 
 def call_reward(f, kwargs):  # f's rewards as a float32 column, NaN for None: one per completion.

@@ -779,7 +779,7 @@ def never_applies(completions, **kw):
 def test_bad_trainer_inputs_are_rejected_before_training(tmp_path):
     with pytest.raises(ValueError, match="not divisible by num_generations=4"):
         make_trainer(tmp_path, per_device_train_batch_size=3, gradient_accumulation_steps=1)
-    with pytest.raises(ValueError, match="train_dataset needs rows"):
+    with pytest.raises(ValueError, match="train_dataset must be a datasets.Dataset with rows"):
         make_trainer(tmp_path, dataset=Dataset.from_dict({"prompt": []}))
     with pytest.raises(ValueError, match="'prompt' column"):
         make_trainer(tmp_path, dataset=Dataset.from_dict({"text": PROMPTS}))
@@ -789,10 +789,13 @@ def test_bad_trainer_inputs_are_rejected_before_training(tmp_path):
         make_trainer(tmp_path, tokenizer=tokenizer)
 
 
-def test_train_refuses_reward_weights_of_another_count(tmp_path):
-    """One weight for two functions would broadcast silently."""
+def test_train_refuses_reward_weights_of_another_count_and_an_evaluation_without_prompts(tmp_path):
+    """One weight for two functions would broadcast silently; an evaluation with no eval_dataset would fail
+    at its first evaluation, deep inside."""
     with pytest.raises(ValueError, match=r"reward_weights=\[2.0\] needs one weight per reward function"):
         make_trainer(tmp_path, reward_funcs=[short_is_good, never_applies], reward_weights=[2.0]).train()
+    with pytest.raises(ValueError, match="eval_strategy='steps' needs an eval_dataset"):
+        make_trainer(tmp_path, eval_strategy="steps").train()
 
 
 def too_few(completions, **kw):
