@@ -784,6 +784,8 @@ def test_bad_trainer_inputs_are_rejected_before_training(tmp_path):
     with pytest.raises(ValueError, match="'prompt' column"):
         make_trainer(tmp_path, dataset=Dataset.from_dict({"text": PROMPTS}))
     tokenizer = make_tokenizer()
+    with pytest.raises(ValueError, match="train_dataset must be a datasets.Dataset"):
+        GRPOTrainer(make_model(tokenizer), short_is_good, GRPOConfig(), None, processing_class=tokenizer)
     tokenizer.eos_token = None
     with pytest.raises(ValueError, match="no eos_token"):
         make_trainer(tmp_path, tokenizer=tokenizer)
