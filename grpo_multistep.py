@@ -11,7 +11,7 @@ with π_old's log-probs cached once, and clipped as in PPO:
     loss_t = -min(ρ_t · A, clip(ρ_t, 1 - ε, 1 + ε_high) · A) + β · KL_t(π_θ ‖ π_ref)
 
 A generation batch may hold S optimizer steps' worth of completions (TRL's steps_per_generation): each of
-its S mini-batches is used μ times, μ·S steps in all. Part I is Algorithm 1; Part II the trainer around it.
+its S mini-batches is used μ times, μ·S steps in all. Part I follows Algorithm 1; Part II, the trainer.
 """
 import contextlib, copy, dataclasses, functools, importlib, json, math, os, random, shutil, sys
 from collections import defaultdict
