@@ -204,7 +204,7 @@ class GRPOLoop:
         while self.step < self.args.max_steps:
             metrics = dict.fromkeys(self.sampled_names, math.nan)  # A step that reuses a batch samples none.
             if self.step % steps_per_batch == 0:  # Time for a new generation batch: sections 1 to 3.
-                self.batch, metrics = self.generate_and_score(self.step // steps_per_batch)  # For μ·S steps.
+                self.batch, metrics = self.generate_and_score(self.step // steps_per_batch)
                 self.sampled_names = list(metrics)
             j = self.step % steps_per_batch  # This step is pass j // S of μ, on mini-batch j % S.
             metrics.update(self.optimizer_step(mini_batches(self.batch, S)[j % S]))
