@@ -293,7 +293,7 @@ class GRPOLoop:
             stats.update(loss=loss.detach(), tokens=mb["completion_mask"].sum(),
                          entropy=(entropy * mb["completion_mask"]).sum())  # The policy's, for a metric.
             for k, v in stats.items():
-                sums[k] = sums[k] + v  # Tensors: no GPU sync per micro-batch.
+                sums[k] = sums[k] + v  # Tensors, added where they are: read once per step.
         metrics = step_metrics(self, sums)
         metrics["grad_norm"] = self.update()
         return metrics
@@ -317,7 +317,7 @@ def arg(default, help, choices=None):  # A field with its --help text: train_tld
 class GRPOConfig:
     output_dir: str = arg("grpo-output", "Where metrics, checkpoints and the final model go.")
     learning_rate: float = arg(1e-6, "AdamW learning rate.")
-    weight_decay: float = arg(0.0, "AdamW weight decay.")
+    weight_decay: float = arg(0.0, "AdamW weight decay, of every trained weight (biases and norms too).")
     lr_scheduler_type: str = arg("linear", "Decay the rate to 0 at max_steps or not.", ("linear", "constant"))
     max_grad_norm: float = arg(1.0, "Gradient clipping norm (0: no clipping).")
     max_steps: int = arg(100, "Number of optimizer steps.")
@@ -348,7 +348,7 @@ class GRPOConfig:
     def __post_init__(self):
         check_config(self)
 
-LOWEST = dict(num_generations=2, seed=0, steps_per_generation=1, eval_steps=1)  # Else counts 1, rates 0.
+LOWEST = dict(num_generations=2, seed=0, steps_per_generation=1, eval_steps=1)  # Other ints 1, floats 0.
 
 def check_config(c):  # Values that would fail deep inside torch, or silently differ (None: unset).
     for f in dataclasses.fields(c):
@@ -424,8 +424,7 @@ class GRPOTrainer(GRPOLoop):
                                                                   "truncated")}
         return {f"eval_{k}": v for k, v in batch_metrics(self, sample).items()}
 
-    # After each step: evaluate, log and checkpoint, in that order as in TRL.
-    def end_of_step(self, metrics):
+    def end_of_step(self, metrics):  # After each step: evaluate, log and checkpoint, in that order as in TRL.
         args = self.args
         if args.eval_strategy == "steps" and self.step % (args.eval_steps or args.logging_steps) == 0:
             metrics.update(self.evaluate())
@@ -463,8 +462,8 @@ class GRPOTrainer(GRPOLoop):
             self.model.save_pretrained(tmp)
             torch.save(self.optimizer.state_dict(), os.path.join(tmp, "optimizer.pt"))
             shutil.copy(os.path.join(self.args.output_dir, "metrics.jsonl"), tmp)  # The rows up to this step.
-            state = {"step": self.step, "world_size": self.world_size, "window": self.window,
-                     "sampled_names": self.sampled_names, "config": dataclasses.asdict(self.args)}
+            state = {"step": self.step, "window": self.window, "sampled_names": self.sampled_names,
+                     "config": dict(dataclasses.asdict(self.args), world_size=self.world_size)}
             with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
                 json.dump(state, f, default=str)  # A Path as a string.
             shutil.rmtree(folder, ignore_errors=True)  # This step's checkpoint from an earlier try, if any.
@@ -473,14 +472,16 @@ class GRPOTrainer(GRPOLoop):
     def load_checkpoint(self, path):  # JSON and tensors only (torch.load's weights_only): no code runs.
         with open(os.path.join(path, "trainer_state.json")) as f:  # All is read before the weights change.
             state = json.load(f)
-        then = dict(state["config"], world_size=state["world_size"])
-        now = dict(dataclasses.asdict(self.args), world_size=self.world_size)
+        then, now = state["config"], dict(dataclasses.asdict(self.args), world_size=self.world_size)
         shape = ("num_iterations", "steps_per_generation", "num_generations", "per_device_train_batch_size",
                  "gradient_accumulation_steps", "world_size", "seed")  # What the prompt order follows.
         changed = {k: (then[k], now[k]) for k in shape if then[k] != now[k]}
         require(not changed, f"checkpoint {os.fspath(path)!r} has another batch shape (then, now): {changed}")
         weights_file = "adapter_model.safetensors" if is_peft(self.model) else "model.safetensors"
         weights = safetensors.torch.load_file(os.path.join(path, weights_file), device=str(self.device))
+        if not is_peft(self.model):  # Tied weights are saved once: each other one, and nothing else.
+            wrong = set(weights) ^ (set(self.model.state_dict()) - set(self.model.all_tied_weights_keys))
+            require(not wrong, f"{os.fspath(path)!r} holds another model's weights ({sorted(wrong)[:2]})")
         load = functools.partial(torch.load, map_location=self.device, weights_only=True)
         optimizer = load(os.path.join(path, "optimizer.pt"))
         self.batch = load(os.path.join(path, f"rank_{self.rank}.pt"))
@@ -489,7 +490,7 @@ class GRPOTrainer(GRPOLoop):
         if is_peft(self.model):
             sys.modules["peft"].set_peft_model_state_dict(self.model, weights)
         else:
-            self.model.load_state_dict(weights, strict=False)  # Tied weights are saved once, so not strict.
+            self.model.load_state_dict(weights, strict=False)  # Not strict: the tied weights are absent.
         self.optimizer.load_state_dict(optimizer)
         self.step = state["step"]
         self.window = defaultdict(list, state["window"])
@@ -515,19 +516,18 @@ def prompt_rows(trainer, k):
     for j in range(S):
         first = ((k * S + j) * trainer.world_size + trainer.rank) * per_step
         for i in range(first, first + per_step):
-            epoch = torch.randperm(n, generator=torch.Generator().manual_seed(args.seed + i // n))
-            indices.append(int(epoch[i % n]))  # Each epoch (n rows) a shuffle of its own.
+            perm = torch.randperm(n, generator=torch.Generator().manual_seed(args.seed + 1000003 * (i // n)))
+            indices.append(int(perm[i % n]))  # Epoch i // n's shuffle, which no seed a little apart repeats.
     return indices
 
 def seed_random_generators(trainer, purpose, k):  # Per batch and process: no random state to save.
     entropy = [trainer.args.seed, ("train", "eval").index(purpose), k, trainer.rank]
     seed = int(numpy.random.SeedSequence(entropy).generate_state(1)[0])
-    random.seed(seed)
-    numpy.random.seed(seed)  # For reward functions that draw from numpy.
+    random.seed(seed)  # Python's, numpy's and torch's generators: reward functions may draw from any.
+    numpy.random.seed(seed)
     torch.manual_seed(seed)
 
-# Metrics, with TRL's names; means over the processes, in one all-reduce.
-def batch_metrics(trainer, sample):
+def batch_metrics(trainer, sample):  # TRL's names; means over the processes, in one all-reduce.
     grouped = sample["rewards"].view(-1, trainer.args.num_generations)                      # (B, G)
     flat = grouped.max(1).values == grouped.min(1).values  # Groups with no signal (section 2).
     metrics = {"reward": grouped.mean(), "reward_std": grouped.std(1).mean(),
@@ -569,7 +569,7 @@ def load_policy(model, processing_class, peft_config, args, device):
     if peft_config is not None:
         torch.manual_seed(args.seed)  # The adapter's initial weights follow args.seed, as in HF's Trainer.
         model = importlib.import_module("peft").get_peft_model(model, peft_config)
-    # Eval mode turns dropout off: the same weights must give the same log-probs (π_old = π_θ exactly).
+    # Eval mode: no dropout, so π_old = π_θ exactly (nor HF's gradient checkpointing, a train-mode thing).
     model = model.to(device).eval()
     tokenizer = processing_class
     if tokenizer is None:  # The model's own, from its folder or the hub.

@@ -566,6 +566,18 @@ def test_attention_dropout_is_turned_off_like_the_rest(tmp_path):
     assert not trainer.model.training and torch.equal(first, second)
 
 
+def test_each_epoch_draws_every_prompt_once_in_an_order_that_a_nearby_seed_does_not_repeat(tmp_path):
+    """Generation batch k's prompts follow from (seed, k) alone: each epoch is a shuffle of all n rows, and
+    seed 1's second epoch is not seed 2's first, so runs of nearby seeds never train in step."""
+    def two_epochs(seed):  # make_trainer's steps take 2 prompts each
+        trainer = make_trainer(tmp_path, seed=seed)
+        order = [i for k in range(len(PROMPTS)) for i in gm.prompt_rows(trainer, k)]
+        return order[:len(PROMPTS)], order[len(PROMPTS):]
+    (first, second), (next_seeds_first, _) = two_epochs(1), two_epochs(2)
+    assert sorted(first) == sorted(second) == list(range(len(PROMPTS))) and first != second
+    assert second != next_seeds_first
+
+
 # ---------------------------------------------------------------------------------------------------
 # Gradient accumulation does not change the update
 # ---------------------------------------------------------------------------------------------------
@@ -698,12 +710,19 @@ def test_a_failure_while_writing_a_checkpoint_leaves_the_previous_one_loadable(t
 
 def test_a_resume_that_is_not_this_runs_checkpoint_is_refused_before_anything_loads(tmp_path):
     """Not a checkpoint folder (the missing file is named); another batch shape (the prompt order and the
-    saved batch depend on it)."""
+    saved batch depend on it); another model's weights, even where every shape they share agrees."""
     run_to_end(tmp_path, "a")
     with pytest.raises(FileNotFoundError, match="trainer_state.json"):
         run_to_end(tmp_path, "b", resume=str(tmp_path))
     with pytest.raises(ValueError, match=r"another batch shape.*'num_iterations': \(3, 2\)"):
         run_to_end(tmp_path, "b", resume=str(tmp_path / "a" / "checkpoint-2"), num_iterations=2)
+
+    def one_layer_more(tokenizer):  # Its first two layers have the names and shapes of the checkpoint's.
+        config = make_model(tokenizer).config
+        config.num_hidden_layers = 3
+        return LlamaForCausalLM(config)
+    with pytest.raises(ValueError, match=r"another model's weights \(\['model.layers.2.input_layernorm"):
+        run_to_end(tmp_path, "b", resume=str(tmp_path / "a" / "checkpoint-2"), model=one_layer_more)
 
 
 # ---------------------------------------------------------------------------------------------------
