@@ -177,7 +177,7 @@ def grpo_loss(logps, old_logps, ref_logps, advantages, mask, args, num_seqs, num
         loss = ((per_token_loss * mask).sum(1) / mask.sum(1).clamp(min=1)).sum() / num_seqs
     elif loss_type == "bnpo":  # TRL PR #2899's: each micro-batch's token mean, weighed by its share.
         loss = (per_token_loss * mask).sum() / mask.sum().clamp(min=1) * len(mask) / num_seqs
-    elif loss_type == "dapo":  # DAPO's: the step's token sum over its tokens (at least 1, as in TRL).
+    elif loss_type == "dapo":  # DAPO's: the step's token sum over num_tokens (at least 1, as in TRL).
         loss = (per_token_loss * mask).sum() / num_tokens.clamp(min=1)
     elif loss_type == "dr_grpo":  # Dr. GRPO's: a constant divisor, so no completion's length changes weight.
         loss = (per_token_loss * mask).sum() / (num_seqs * getattr(args, "max_completion_length", 256))
