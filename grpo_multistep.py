@@ -523,8 +523,8 @@ def prompt_rows(trainer, k):
 def seed_random_generators(trainer, purpose, k):  # Per batch and process: no random state to save.
     entropy = [trainer.args.seed, ("train", "eval").index(purpose), k, trainer.rank]
     seed = int(numpy.random.SeedSequence(entropy).generate_state(1)[0])
-    random.seed(seed)  # Python's, numpy's and torch's generators: reward functions may draw from any.
-    numpy.random.seed(seed)
+    random.seed(seed)
+    numpy.random.seed(seed)  # For reward functions that draw from numpy.
     torch.manual_seed(seed)
 
 def batch_metrics(trainer, sample):  # TRL's names; means over the processes, in one all-reduce.
