@@ -151,8 +151,6 @@ class GRPOTrainer(core.GRPOTrainer):
         check_rewards(self)
         if args.eval_strategy == "steps":
             check_eval_split(self)
-        require(args.beta == 0 or self.ref_model is not None, "beta was 0 when the trainer was made, so it "
-                "has no reference model: make a new trainer")
         self.model.activation_checkpointing_disable()  # As the config says now.
         self.model.eval()  # No dropout: the same weights must give the same log-probs (π_old = π_θ).
         if args.gradient_checkpointing:  # It works in train mode only: dropout is turned off by hand.
@@ -249,9 +247,6 @@ class GRPOTrainer(core.GRPOTrainer):
         require(failed == 0, "a reward function or the generation failed in another process (see its log)",
                 RuntimeError)
         raise_held_signal(self)  # A reward that swallowed the signal (a bare except) does not score.
-        infinite = result["rewards_per_func"].isinf().any(0).nonzero()[:, 0].tolist()  # NaN means None.
-        names = [getattr(self.reward_funcs[i], "__name__", repr(self.reward_funcs[i])) for i in infinite]
-        require(not names, f"reward functions {names} returned an infinite reward: no advantage can be taken")
         if dataset is self.train_dataset:  # For log_completions.
             self.samples = list(zip(result["prompts"], result["texts"], result["rewards"].tolist()))
         return result

@@ -10,8 +10,8 @@ with π_old's log-probs cached once, and clipped as in PPO:
 
     loss_t = -min(ρ_t · A, clip(ρ_t, 1 - ε, 1 + ε_high) · A) + β · KL_t(π_θ ‖ π_ref)
 
-A generation batch may hold S optimizer steps' worth of completions (TRL's steps_per_generation): each of
-its S mini-batches is used μ times, μ·S steps in all. Part I follows Algorithm 1; Part II, the trainer.
+A generation batch may hold S steps' worth of completions, each of its S mini-batches used μ times (μ·S
+steps, S = steps_per_generation / gradient_accumulation_steps). Part I: Algorithm 1. Part II: the trainer.
 """
 import contextlib, copy, dataclasses, functools, importlib, json, math, os, random, shutil, sys
 from collections import defaultdict
@@ -53,14 +53,14 @@ def sample_token(logits, temperature):
 @torch.no_grad()
 def generate_completions(model, tokenizer, prompt_ids, prompt_mask, args, eos_token_ids):
     """G completions per prompt, token by token with the KV cache, from softmax(logits / T) alone (no top-k
-    or top-p: section 3's log-probs describe exactly what sampled), each ending at its first EOS. Returns
-    the prompts repeated G times (B·G, P), their mask, the completions (B·G, C) and completion_mask."""
+    or top-p: section 3's log-probs describe what sampled, up to rounding), each ending at its first EOS.
+    Returns the prompts repeated G times (B·G, P), their mask, the completions (B·G, C) and their mask."""
     G = args.num_generations
     eos = torch.as_tensor(eos_token_ids, device=prompt_ids.device)
     positions = position_ids(prompt_mask)                                                  # (B, P)
     out = model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=positions, use_cache=True,
                 logits_to_keep=1)
-    out.cache.batch_repeat_interleave(G)  # Each prompt runs once; its G completions share its KV cache.
+    out.cache.batch_repeat_interleave(G)  # Each prompt runs once; its G completions copy its KV cache.
     logits = out.logits[:, -1].repeat_interleave(G, 0)                                     # (B·G, V)
     mask = prompt_mask.repeat_interleave(G, 0)                                             # (B·G, P)
     position = positions[:, -1:].repeat_interleave(G, 0)                                  # (B·G, 1)
@@ -94,11 +94,10 @@ def group_advantages(rewards, num_generations, scale_rewards="group"):
     """A_i = (r_i - mean(r)) / (std(r) + 1e-4) within each group, with the unbiased (G - 1) std as in TRL.
     rewards: (N,), one total per completion; a prompt's G completions are adjacent rows. scale_rewards='none'
     (Dr. GRPO's choice) leaves out the division; 'group' is the default here and in TRL."""
-    if rewards.dim() != 1 or len(rewards) % num_generations != 0:  # An (N, F) matrix would mix functions.
-        raise ValueError(f"rewards of shape {tuple(rewards.shape)} must be (N,), N a multiple of "
-                         f"num_generations={num_generations}")
-    if scale_rewards not in ("group", "none"):  # A misspelt name would silently mean no scaling.
-        raise ValueError(f"scale_rewards={scale_rewards!r} must be 'group' or 'none'")
+    shape_ok = rewards.dim() == 1 and len(rewards) % num_generations == 0  # (N, F) would mix functions.
+    require(shape_ok, f"rewards of shape {tuple(rewards.shape)} must be (N,), N a multiple of "
+            f"num_generations={num_generations}")
+    require(scale_rewards in ("group", "none"), f"scale_rewards={scale_rewards!r} must be 'group' or 'none'")
     grouped = rewards.view(-1, num_generations)                                            # (B, G)
     advantages = grouped - grouped.mean(1, keepdim=True)
     if scale_rewards == "group":
@@ -109,9 +108,8 @@ def group_advantages(rewards, num_generations, scale_rewards="group"):
 
 # ---- 3. Per-token log-probs log π(o_t | q, o_<t), and the batch cut for the optimizer steps ------------
 def per_token_logps(model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature):
-    """log π(o_t | q, o_<t) by its definition: one pass over prompt and completion, where the logits before
-    each completion token predict it, log_softmax(logits / T) at that token (T: the sampling's). Also each
-    token's entropy H(π(· | q, o_<t)), for a metric. (b, C) each."""
+    """log π(o_t | q, o_<t) by its definition: one pass over prompt and completion; the logits before each
+    completion token give log_softmax(logits / T) at it (T: the sampling's), and its entropy. (b, C) each."""
     mask = torch.cat([prompt_mask, completion_mask], 1)                                    # (b, P+C)
     C = completion_ids.size(1)
     logits = model(input_ids=torch.cat([prompt_ids, completion_ids], 1), attention_mask=mask,
@@ -192,8 +190,7 @@ def grpo_loss(logps, old_logps, ref_logps, advantages, mask, args, num_seqs, num
 
 # ---- 5. The μ-iteration loop: generate, score, cache, then μ·S optimizer steps -------------------------
 class GRPOLoop:
-    """Algorithm 1's loop and its steps. GRPOTrainer (Part II) sets the attributes used here (args, model,
-    π_ref, optimizer, ...) and defines start_run, end_of_step, save_final_model and all_reduce."""
+    """Algorithm 1's loop and its steps; GRPOTrainer (Part II) gives it the model, π_ref, AdamW and more."""
 
     def train(self, resume_from_checkpoint=None):
         """Algorithm 1. A generation batch is sampled, scored and cached once, then its S mini-batches are
@@ -213,8 +210,7 @@ class GRPOLoop:
         return self
 
     def generate_and_score(self, k):
-        """Sections 1 to 3 for generation batch k: sample and score completions, compute the advantages,
-        and cache the log-probs that its μ·S optimizer steps need."""
+        """Sections 1 to 3 for batch k: its completions, rewards, advantages and cached log-probs."""
         args = self.args
         S = mini_batches_per_generation(args)
         seed_random_generators(self, "train", k)  # Its draws depend on k alone, so a resume repeats them.
@@ -372,8 +368,7 @@ def require(ok, message, error=ValueError):  # Input checks fail at the start, n
     if not ok:
         raise error(message)
 
-# The trainer, as in TRL: GRPOTrainer(model, reward_funcs, args, train_dataset).train(). Part I's loop with
-# what a run needs around it: each method is one thing a subclass may change.
+# The trainer, as in TRL: GRPOTrainer(model, reward_funcs, args, train_dataset).train() runs Part I's loop.
 class GRPOTrainer(GRPOLoop):
     def __init__(self, model, reward_funcs, args=None, train_dataset=None, eval_dataset=None,
                  processing_class=None, peft_config=None):
@@ -400,20 +395,28 @@ class GRPOTrainer(GRPOLoop):
                 f"one weight per reward function ({len(self.reward_funcs)})")
         require(self.args.eval_strategy == "no" or self.eval_dataset is not None, "eval_strategy='steps' "
                 "needs an eval_dataset")
-        check_trainable(self.model)
+        # In 16 bits, AdamW's small updates would round away: what trains is float32.
+        dtypes = sorted({str(p.dtype) for p in self.model.parameters() if p.requires_grad})
+        require(dtypes == ["torch.float32"], f"trainable weights are {dtypes}: train in float32 or with LoRA")
+        require(self.args.beta == 0 or self.ref_model is not None, "beta was 0 when the trainer was made, so "
+                "it has no reference model: make a new trainer")
         os.makedirs(self.args.output_dir, exist_ok=True)
         self.optimizer.state.clear()  # No moments of an earlier train(),
         self.optimizer.zero_grad(set_to_none=True)  # nor half a gradient that an interruption left.
         self.step = 0
         self.sampled_names = []  # The metrics of a generation batch: NaN in the steps that reuse it.
         self.window = defaultdict(list)  # The metrics of the steps since the last logged row.
+        if resume_from_checkpoint is True:  # As in HF's Trainer: output_dir's newest checkpoint-<step>,
+            names = os.listdir(self.args.output_dir)  # whichever run wrote it (not a .tmp: unfinished).
+            steps = [int(n[11:]) for n in names if n.startswith("checkpoint-") and n[11:].isdecimal()]
+            require(steps, f"{self.args.output_dir!r} holds no checkpoint to resume: start a fresh run")
+            resume_from_checkpoint = os.path.join(self.args.output_dir, f"checkpoint-{max(steps)}")
         if resume_from_checkpoint:
             self.load_checkpoint(resume_from_checkpoint)
         elif self.rank == 0:  # A fresh run's rows start anew.
             open(os.path.join(self.args.output_dir, "metrics.jsonl"), "w").close()
 
-    # The held-out reward, sampled and scored as in training. The next generation batch seeds itself anew,
-    # so a run with evaluations makes the same updates as one without.
+    # The held-out reward, sampled as in training. Batches seed anew: evaluations change no update.
     def evaluate(self):
         seed_random_generators(self, "eval", 0)
         prompts = list(range(self.rank, len(self.eval_dataset), self.world_size))
@@ -552,7 +555,7 @@ def step_metrics(trainer, sums):  # Sums over micro-batches and processes, per l
     return metrics
 
 def check_dataset(dataset, name):  # A datasets.Dataset, with prompts to sample.
-    ok = dataset is not None and "prompt" in dataset.column_names and len(dataset) > 0
+    ok = "prompt" in (getattr(dataset, "column_names", None) or ()) and len(dataset) > 0  # A list has none.
     require(ok, f"{name} must be a datasets.Dataset with rows and a 'prompt' column")
     return dataset
 
@@ -560,6 +563,7 @@ def call_reward(f, kwargs):  # f's rewards as a float32 column, NaN for None: on
     values = [math.nan if v is None else float(v) for v in f(**kwargs)]
     n = len(kwargs["completions"])
     name = getattr(f, "__name__", repr(f))
+    require(not any(map(math.isinf, values)), f"reward function {name!r} returned an infinite reward")
     require(len(values) == n, f"reward function {name!r} returned {len(values)} values for {n} completions")
     return torch.tensor(values, dtype=torch.float32)
 
@@ -578,10 +582,6 @@ def load_policy(model, processing_class, peft_config, args, device):
     if tokenizer.pad_token_id is None:  # Padding is masked out, so any id serves; EOS is the usual choice.
         tokenizer.pad_token = tokenizer.eos_token
     return model, tokenizer
-
-def check_trainable(model):  # In 16 bits, AdamW's small updates would round away.
-    dtypes = sorted({str(p.dtype) for p in model.parameters() if p.requires_grad})
-    require(dtypes == ["torch.float32"], f"trainable weights are {dtypes}: train float32 or a LoRA adapter")
 
 def is_peft(model):  # A peft.PeftModel (peft is imported by whoever made it): its adapter trains and saves.
     return "peft" in sys.modules and isinstance(model, sys.modules["peft"].PeftModel)

@@ -725,6 +725,25 @@ def test_a_resume_that_is_not_this_runs_checkpoint_is_refused_before_anything_lo
         run_to_end(tmp_path, "b", resume=str(tmp_path / "a" / "checkpoint-2"), model=one_layer_more)
 
 
+def test_resume_from_checkpoint_true_takes_the_newest_complete_checkpoint_as_in_hfs_trainer(tmp_path):
+    """checkpoint-10 sorts before checkpoint-4 as text; a .tmp folder is a checkpoint never finished."""
+    make_trainer(tmp_path, max_steps=10, save_steps=4).train()  # checkpoints 4, 8 and 10
+    out = tmp_path / "out"
+    os.rename(out / "checkpoint-8", out / "checkpoint-12.tmp")
+    resumed = make_trainer(tmp_path, max_steps=11)
+    taken = []
+    end_of_step = resumed.end_of_step
+    def counted(metrics):
+        taken.append(resumed.step)
+        end_of_step(metrics)
+    resumed.end_of_step = counted
+    resumed.train(resume_from_checkpoint=True)
+    assert taken == [11]
+    assert [r["step"] for r in metrics_of(out)] == list(range(1, 12))
+    with pytest.raises(ValueError, match="holds no checkpoint to resume"):
+        make_trainer(tmp_path, output_dir=str(tmp_path / "empty")).train(resume_from_checkpoint=True)
+
+
 # ---------------------------------------------------------------------------------------------------
 # Loading runs no code; a fresh run never mixes with files already in output_dir
 # ---------------------------------------------------------------------------------------------------
@@ -803,8 +822,10 @@ def test_bad_trainer_inputs_are_rejected_before_training(tmp_path):
     with pytest.raises(ValueError, match="'prompt' column"):
         make_trainer(tmp_path, dataset=Dataset.from_dict({"text": PROMPTS}))
     tokenizer = make_tokenizer()
-    with pytest.raises(ValueError, match="train_dataset must be a datasets.Dataset"):
-        GRPOTrainer(make_model(tokenizer), short_is_good, GRPOConfig(), None, processing_class=tokenizer)
+    for not_a_dataset in (None, PROMPTS):
+        with pytest.raises(ValueError, match="train_dataset must be a datasets.Dataset"):
+            GRPOTrainer(make_model(tokenizer), short_is_good, GRPOConfig(), not_a_dataset,
+                        processing_class=tokenizer)
     tokenizer.eos_token = None
     with pytest.raises(ValueError, match="no eos_token"):
         make_trainer(tmp_path, tokenizer=tokenizer)
@@ -819,13 +840,26 @@ def test_train_refuses_reward_weights_of_another_count_and_an_evaluation_without
         make_trainer(tmp_path, eval_strategy="steps").train()
 
 
+def test_beta_raised_after_the_trainer_was_made_is_refused_as_it_has_no_reference_model(tmp_path):
+    """With β = 0 the trainer makes no π_ref (no copy of the weights); the KL term would have nothing."""
+    trainer = make_trainer(tmp_path)
+    trainer.args.beta = 0.1
+    with pytest.raises(ValueError, match="beta was 0 when the trainer was made"):
+        trainer.train()
+
+
 def too_few(completions, **kw):
     return [1.0]
+
+
+def unbounded(completions, **kw):  # An infinite reward would give NaN advantages, then NaN gradients.
+    return [math.inf] * len(completions)
 
 
 @pytest.mark.parametrize("func,error,match", [
     (too_few, ValueError, "reward function 'too_few' returned 1 values for 8 completions"),
     (never_applies, ValueError, r"every reward function returned None or NaN for completion \[0\]"),
+    (unbounded, ValueError, "reward function 'unbounded' returned an infinite reward"),
 ])
 def test_bad_reward_functions_are_named(tmp_path, func, error, match):
     with pytest.raises(error, match=match):

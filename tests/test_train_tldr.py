@@ -541,9 +541,9 @@ CARDS = [
     (7.5, "emulated", "an 8 GB card a LoRA adapter", "LoRA (rank 16)", False, False, 16),
     (11.5, "native", TWELVE_GB, "float32 with gradient checkpointing", False, True, None),  # bf16's: too near
     (11.5, "emulated", TWELVE_GB, "with gradient checkpointing", False, True, None),
-    (15.5, "native", "a 16 GB card trains the whole model, in bf16 autocast where the card computes bf16 "
+    (15.5, "native", "a 16 GB card trains the whole model, its matrix products in bf16 where the card has it "
      "natively", "as given", True, False, None),
-    (15.5, "emulated", "a 16 GB card trains the whole model, in bf16 autocast where the card computes bf16 "
+    (15.5, "emulated", "a 16 GB card trains the whole model, its matrix products in bf16 where the card has it "
      "natively, else in float32", "as given", False, False, None)]
 
 
