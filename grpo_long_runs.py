@@ -15,7 +15,7 @@ This module adds, each by overriding a method of grpo_multistep.GRPOTrainer (no 
   metric each); before a resume loads anything, a checkpoint's files, trained tensors and training prompts
   (a batch it cached with β = 0 gets π_ref's log-probs);
 - report_to's trackers, model_init_kwargs, bf16, gradient_checkpointing, log_completions, save_total_limit,
-  and resume_from_checkpoint=True (the newest complete checkpoint that reads whole);
+  and with resume_from_checkpoint=True the newest checkpoint that reads whole (a damaged one is skipped);
 - the seconds of each phase, logged as time_<phase>.
 """
 import asyncio, contextlib, dataclasses, functools, hashlib, importlib, importlib.util, inspect, json, math

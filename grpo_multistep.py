@@ -319,15 +319,15 @@ class GRPOConfig:
     max_steps: int = arg(100, "Number of optimizer steps.")
     per_device_train_batch_size: int = arg(8, "Completions per forward-backward pass (micro-batch).")
     gradient_accumulation_steps: int = arg(1, "Micro-batches per optimizer step.")
-    seed: int = arg(42, "Seed of the prompt order and of the sampling.")
+    seed: int = arg(42, "Seed of the prompt order, the sampling and a LoRA adapter's first weights.")
     num_generations: int = arg(8, "G: completions sampled per prompt (the group).")
     max_prompt_length: int | None = arg(512, "Prompts keep their last this many tokens (None: all).")
     max_completion_length: int = arg(256, "Most tokens generated per completion.")
     temperature: float = arg(1.0, "Sampling temperature; the log-probs use the same one.")
     num_iterations: int = arg(1, "μ: optimizer steps on each mini-batch of a generation batch.")
     steps_per_generation: int | None = arg(None, "Micro-batches per generation (None: one step's).")
-    epsilon: float = arg(0.2, "Lower clipping range: the ratio is kept >= 1 - epsilon.")
-    epsilon_high: float | None = arg(None, "Upper clipping range: ratio <= 1 + epsilon_high (None: epsilon).")
+    epsilon: float = arg(0.2, "Lower clip: a token with A < 0 stops pushing below a ratio of 1 - epsilon.")
+    epsilon_high: float | None = arg(None, "Upper clip: A > 0 stops above 1 + epsilon_high (None: epsilon).")
     beta: float = arg(0.0, "KL coefficient; 0 loads no reference model at all.")
     use_bias_correction_kl: bool = arg(False, "Weigh the KL term by the ratio ρ (TRL 1.16's default: True).")
     loss_type: str = arg("grpo", "How tokens average into the loss.", ("grpo", "bnpo", "dapo", "dr_grpo"))
@@ -364,7 +364,7 @@ def check_config(c):  # Values that would fail deep inside torch, or silently di
     require(spg % c.gradient_accumulation_steps == 0, f"steps_per_generation={spg} is not a multiple of "
             f"gradient_accumulation_steps={c.gradient_accumulation_steps}: a generation batch is whole steps")
 
-def require(ok, message, error=ValueError):  # Input checks fail at the start, naming the input.
+def require(ok, message, error=ValueError):  # A check that fails names the input at fault.
     if not ok:
         raise error(message)
 
@@ -416,7 +416,7 @@ class GRPOTrainer(GRPOLoop):
         elif self.rank == 0:  # A fresh run's rows start anew.
             open(os.path.join(self.args.output_dir, "metrics.jsonl"), "w").close()
 
-    # The held-out reward, sampled as in training. Batches seed anew: evaluations change no update.
+    # The held-out reward, sampled as in training. Training batches seed anew: evaluations change no update.
     def evaluate(self):
         seed_random_generators(self, "eval", 0)
         prompts = list(range(self.rank, len(self.eval_dataset), self.world_size))
@@ -543,7 +543,7 @@ def batch_metrics(trainer, sample):  # TRL's names; means over the processes, in
     values = torch.stack([v.float().to(trainer.device) for v in metrics.values()])
     return dict(zip(metrics, (trainer.all_reduce(values) / trainer.world_size).tolist()))
 
-def step_metrics(trainer, sums):  # Sums over micro-batches and processes, per loss token.
+def step_metrics(trainer, sums):  # Sums over micro-batches and processes; all but the loss per token.
     s = dict(zip(sums, trainer.all_reduce(torch.stack([v.float() for v in sums.values()])).tolist()))
     tokens = max(s["tokens"], 1.0)  # 0 where every completion was masked.
     metrics = {"loss": s["loss"], "learning_rate": learning_rate(trainer.args, trainer.step),
