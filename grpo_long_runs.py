@@ -30,7 +30,7 @@ from datasets import Dataset
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 import grpo_multistep as core
-from grpo_multistep import arg, require
+from grpo_multistep import arg, list_checkpoints, require
 
 TRACKERS = ("tensorboard", "wandb", "trackio")
 
@@ -553,12 +553,6 @@ def is_hub_id(name):  # "org/name": what from_pretrained looks up on the hub whe
     except huggingface_hub.utils.HFValidationError:
         return False
     return True
-
-
-def list_checkpoints(output_dir):  # The complete ones, oldest first (not checkpoint-<step>.tmp).
-    names = os.listdir(output_dir) if os.path.isdir(output_dir) else []
-    steps = [int(n[11:]) for n in names if n.startswith("checkpoint-") and n[11:].isdecimal()]
-    return [os.path.join(output_dir, f"checkpoint-{step}") for step in sorted(steps)]
 
 
 def check_checkpoint(trainer, path):

@@ -193,8 +193,7 @@ class GRPOLoop:
     """Algorithm 1's loop and its steps; GRPOTrainer (Part II) gives it the model, π_ref, AdamW and more."""
 
     def train(self, resume_from_checkpoint=None):
-        """Algorithm 1. A generation batch is sampled, scored and cached once, then its S mini-batches are
-        used μ times each, one optimizer step per mini-batch: μ·S optimizer steps per generation batch."""
+        """Algorithm 1: a generation batch is sampled, scored and cached once, then serves μ·S steps."""
         self.start_run(resume_from_checkpoint)  # Checks, then a fresh run or a resume (Part II).
         S = mini_batches_per_generation(self.args)
         steps_per_batch = self.args.num_iterations * S
@@ -380,7 +379,7 @@ class GRPOTrainer(GRPOLoop):
         self.eval_dataset = None if eval_dataset is None else check_dataset(eval_dataset, "eval_dataset")
         self.model, self.tokenizer = load_policy(model, processing_class, peft_config, self.args, self.device)
         self.eos_token_ids = eos_token_ids(self.model, self.tokenizer)  # The tokenizer's and the model's.
-        self.ref_model = reference_model(self.model, self.args.beta)  # π_ref, where β > 0 needs it.
+        self.ref_model = reference_model(self.model) if self.args.beta > 0 else None  # π_ref, for β > 0.
         trained = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(trained, lr=self.args.learning_rate, fused=True)
         self.step = 0  # Optimizer steps taken; train() starts it anew, or from a checkpoint's.
@@ -406,18 +405,16 @@ class GRPOTrainer(GRPOLoop):
         self.step = 0
         self.sampled_names = []  # The metrics of a generation batch: NaN in the steps that reuse it.
         self.window = defaultdict(list)  # The metrics of the steps since the last logged row.
-        if resume_from_checkpoint is True:  # As in HF's Trainer: output_dir's newest checkpoint-<step>,
-            names = os.listdir(self.args.output_dir)  # whichever run wrote it (not a .tmp: unfinished).
-            steps = [int(n[11:]) for n in names if n.startswith("checkpoint-") and n[11:].isdecimal()]
-            require(steps, f"{self.args.output_dir!r} holds no checkpoint to resume: start a fresh run")
-            resume_from_checkpoint = os.path.join(self.args.output_dir, f"checkpoint-{max(steps)}")
+        if resume_from_checkpoint is True:  # As in HF's Trainer: the newest, whichever run wrote it.
+            found = list_checkpoints(self.args.output_dir)
+            require(found, f"{self.args.output_dir!r} holds no checkpoint to resume: start a fresh run")
+            resume_from_checkpoint = found[-1]
         if resume_from_checkpoint:
             self.load_checkpoint(resume_from_checkpoint)
         elif self.rank == 0:  # A fresh run's rows start anew.
             open(os.path.join(self.args.output_dir, "metrics.jsonl"), "w").close()
 
-    # The held-out reward, sampled as in training. Training batches seed anew: evaluations change no update.
-    def evaluate(self):
+    def evaluate(self):  # The held-out reward, sampled as training's; batches seed anew: no update changes.
         seed_random_generators(self, "eval", 0)
         prompts = list(range(self.rank, len(self.eval_dataset), self.world_size))
         size = len(prompt_rows(self, 0))
@@ -504,6 +501,11 @@ class GRPOTrainer(GRPOLoop):
             self.model.save_pretrained(self.args.output_dir)
             self.tokenizer.save_pretrained(self.args.output_dir)
 
+def list_checkpoints(output_dir):  # The complete ones, oldest first (not checkpoint-<step>.tmp).
+    names = os.listdir(output_dir) if os.path.isdir(output_dir) else []
+    steps = [int(n[11:]) for n in names if n.startswith("checkpoint-") and n[11:].isdecimal()]
+    return [os.path.join(output_dir, f"checkpoint-{step}") for step in sorted(steps)]
+
 def learning_rate(args, step):  # TRL's linear decay to 0 at max_steps, or a constant rate.
     decay = (args.max_steps - step) / args.max_steps if args.lr_scheduler_type == "linear" else 1.0
     return args.learning_rate * decay
@@ -586,9 +588,7 @@ def load_policy(model, processing_class, peft_config, args, device):
 def is_peft(model):  # A peft.PeftModel (peft is imported by whoever made it): its adapter trains and saves.
     return "peft" in sys.modules and isinstance(model, sys.modules["peft"].PeftModel)
 
-def reference_model(model, beta):  # π_ref where β > 0: a frozen copy of the policy, or the LoRA model.
-    if beta == 0:
-        return None
+def reference_model(model):  # π_ref: a frozen copy of the policy, or the LoRA model (its adapter off).
     return model if is_peft(model) else copy.deepcopy(model).eval().requires_grad_(False)
 
 def reference_weights(ref_model):  # With LoRA, π_ref is the base model: the adapter is off meanwhile.
